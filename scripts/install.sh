@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Fresh-machine setup for te-compile: a venv with torch (CUDA build), Transformer Engine 2.20.2 and
+# this package with its test extras. Works without a GPU: TE's torch extension then needs the
+# NVIDIA pip packages' include/lib folders on CPATH/LIBRARY_PATH/LD_LIBRARY_PATH (see env.sh).
+#
+# The TE torch extension is an sdist that must be compiled against the installed torch (~11 min on
+# 2 cores). The built wheel is cached outside the clone, keyed on TE/torch/Python versions:
+#   ${TE_COMPILE_CACHE:-~/.cache/te-compile}/wheels/
+# A matching prebuilt wheel in ../shared/wheels/ (beside the clone) is taken instead of building,
+# unless TE_COMPILE_BUILD_TE=1.
+#
+# Usage: bash scripts/install.sh          (venv at .venv; override with TE_COMPILE_VENV)
+set -euo pipefail
+
+TORCH_VERSION=${TORCH_VERSION:-2.14.1}
+TE_VERSION=${TE_VERSION:-2.20.2}
+root=$(cd "$(dirname "$0")/.." && pwd)
+venv=${TE_COMPILE_VENV:-$root/.venv}
+cache=${TE_COMPILE_CACHE:-$HOME/.cache/te-compile}
+start=$(date +%s)
+log() { echo "[install +$(($(date +%s) - start))s] $*"; }
+
+if [ ! -x "$venv/bin/python" ]; then
+  log "creating venv at $venv"
+  python3 -m venv "$venv"
+fi
+py="$venv/bin/python"
+pip() { "$py" -m pip "$@"; }
+pip install -q --upgrade pip wheel setuptools
+
+if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  log "installing torch $TORCH_VERSION"
+  pip install -q "torch==$TORCH_VERSION"
+fi
+pyver=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+torchver=$("$py" -c 'import torch; print(torch.__version__)')
+log "torch $torchver, python $pyver"
+
+# TE's Python code (transformer-engine) and core library (transformer-engine-cu13) are wheels.
+# --no-deps on the meta package: its [pytorch] extra would start a CUDA build of the extension.
+log "installing transformer-engine $TE_VERSION (core wheels)"
+pip install -q "transformer-engine-cu13==$TE_VERSION"
+pip install -q --no-deps "transformer-engine==$TE_VERSION"
+
+# shellcheck source=/dev/null
+source "$root/scripts/env.sh" "$venv"
+
+if ! "$py" -c "import transformer_engine_torch" 2>/dev/null; then
+  key="transformer_engine_torch-${TE_VERSION}-torch${torchver//+/_}-${pyver}"
+  mkdir -p "$cache/wheels/$key"
+  whl=$(ls "$cache/wheels/$key"/*.whl 2>/dev/null | head -1 || true)
+  shared=$(ls "$root"/../shared/wheels/transformer_engine_torch-"$TE_VERSION"-"$pyver"-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$whl" ] && [ -n "$shared" ] && [ "$torchver" = "2.14.1+cu130" ] && [ -z "${TE_COMPILE_BUILD_TE:-}" ]; then
+    log "using prebuilt extension $shared (built for torch 2.14.1+cu130)"
+    cp "$shared" "$cache/wheels/$key/" && whl="$cache/wheels/$key/$(basename "$shared")"
+  fi
+  if [ -z "$whl" ]; then
+    log "building transformer-engine-torch $TE_VERSION from sdist against torch $torchver (~11 min on 2 cores)"
+    src=$(mktemp -d)
+    pip download -q --no-deps --no-binary=:all: -d "$src" "transformer-engine-torch==$TE_VERSION"
+    pip install -q ninja pybind11 cmake
+    CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
+    # The /usr/local/bin/nvcc here is a wrapper script; take the toolkit it execs.
+    if [ ! -f "$CUDA_HOME/include/cuda_runtime.h" ] && [ -d /usr/local/cuda ]; then CUDA_HOME=/usr/local/cuda; fi
+    export CUDA_HOME
+    NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
+      pip wheel -q --no-deps --no-build-isolation -w "$cache/wheels/$key" "$src"/transformer_engine_torch-*.tar.gz
+    whl=$(ls "$cache/wheels/$key"/*.whl | head -1)
+    rm -rf "$src"
+  fi
+  log "installing $whl"
+  pip install -q "$whl"
+fi
+
+log "installing te-compile with test extras"
+pip install -q -e "$root[test]"
+"$py" -c "import transformer_engine.pytorch as te, te_compile; print('TE', te.__version__ if hasattr(te, '__version__') else '', 'te_compile ok')"
+log "done"

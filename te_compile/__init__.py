@@ -1,0 +1,63 @@
+"""te-compile: Transformer Engine modules with FP8 inside ``torch.compile(fullgraph=True)``.
+
+    import te_compile
+    te_compile.patch()      # idempotent; te_compile.unpatch() restores TE exactly
+
+When not compiling, TE runs its own unchanged code. While dynamo traces, the patched pieces
+route through te-compile's traceable twins and custom ops (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from .errors import (
+    RecipeNotSupportedError,
+    TECompileError,
+    UnsupportedUnderCompileError,
+    UnsupportedVersionError,
+)
+from .patching import Patcher
+from .versions import check_versions, supported_range
+
+__version__ = "0.1.0"
+
+_PATCHER = Patcher()
+
+
+def patch() -> None:
+    """Make TE compile-aware. Checks versions first; calling it twice is a no-op."""
+    if _PATCHER.active:
+        return
+    check_versions()
+    from . import autocast
+
+    _PATCHER.apply(autocast.swaps())
+
+
+def unpatch() -> None:
+    """Restore every TE attribute that patch() replaced. A no-op when not patched."""
+    _PATCHER.revert()
+
+
+def is_patched() -> bool:
+    return _PATCHER.active
+
+
+def doctor() -> str:
+    """A short report of the environment: versions, GPU, recipe support, patch state."""
+    from .doctor import report
+
+    return report()
+
+
+__all__ = [
+    "patch",
+    "unpatch",
+    "is_patched",
+    "doctor",
+    "check_versions",
+    "supported_range",
+    "TECompileError",
+    "UnsupportedVersionError",
+    "UnsupportedUnderCompileError",
+    "RecipeNotSupportedError",
+]

@@ -1,0 +1,51 @@
+"""`te_compile.doctor()`: what te-compile sees in this environment. Run `python -m te_compile`."""
+
+from __future__ import annotations
+
+import importlib
+
+
+def _line(name: str, value: object) -> str:
+    return f"  {name:<28} {value}"
+
+
+def report() -> str:
+    import torch
+
+    import te_compile
+
+    from .versions import supported_range, te_version
+
+    lines = ["te-compile doctor"]
+    lines.append(_line("te-compile", te_compile.__version__))
+    lines.append(_line("torch", torch.__version__))
+    lines.append(_line("transformer-engine", te_version()))
+    lines.append(_line("supported", supported_range()))
+    cuda = torch.cuda.is_available()
+    lines.append(_line("GPU", torch.cuda.get_device_name() if cuda else "none (CPU trace only)"))
+    try:
+        te_compile.check_versions()
+        lines.append(_line("versions", "ok"))
+    except te_compile.UnsupportedVersionError as e:
+        lines.append(_line("versions", f"NOT SUPPORTED: {e}"))
+        return "\n".join(lines)
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # noqa: BLE001  (report any import failure)
+        lines.append(_line("import TE", f"FAILED: {type(e).__name__}: {e}"))
+        return "\n".join(lines)
+    utils = importlib.import_module("transformer_engine.pytorch.utils")
+    reason = getattr(utils, "_compile_disabled_reason", None)
+    lines.append(_line("TE's own compile path", f"off ({reason})" if reason else "on"))
+    if cuda:
+        q = importlib.import_module("transformer_engine.pytorch.quantization")
+        for name, check in [
+            ("FP8 (delayed/current)", q.check_fp8_support),
+            ("FP8 block scaling", q.check_fp8_block_scaling_support),
+            ("MXFP8", q.check_mxfp8_support),
+            ("NVFP4", q.check_nvfp4_support),
+        ]:
+            ok, why = check()
+            lines.append(_line(name, "yes" if ok else f"no ({why})"))
+    lines.append(_line("patched", te_compile.is_patched()))
+    return "\n".join(lines)

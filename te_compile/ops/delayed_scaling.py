@@ -1,0 +1,62 @@
+"""DelayedScaling's amax-history and scale update as a custom op.
+
+Eager TE runs this update from `FP8GlobalStateManager.reduce_and_update_fp8_tensors`: at the exit
+of the outermost autocast (forward) and at the end of the first FP8 module's backward. Under
+compile the same update runs through this op, which mutates TE's own `amax_history` and `scale`
+tensors in place (declared in `mutates_args`), so compiled and eager training share one state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FP8_DTYPES = ("e4m3", "e5m2")
+
+
+def _te_dtype(fp8_dtype: str):
+    import transformer_engine_torch as tex
+
+    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[fp8_dtype]
+
+
+@torch.library.custom_op(
+    "te_compile::amax_and_scale_update", mutates_args=("amax_histories", "scales")
+)
+def amax_and_scale_update(
+    amax_histories: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    amax_compute_algo: str,
+    fp8_dtype: str,
+    margin: float,
+    fused: bool,
+) -> None:
+    """Roll each `amax_histories[i]` ([history_len, n]) and recompute `scales[i]` ([n]).
+
+    The most recent amaxes are row 0 of each history, as TE's kernels leave them. `fused` picks
+    TE's fused CUDA kernel (the default) or its Python fallback (`NVTE_UNFUSED_FP8_UPDATE=1`).
+    """
+    if fp8_dtype not in _FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {_FP8_DTYPES}, got {fp8_dtype!r}")
+    if not amax_histories:
+        return
+    # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated.
+    latest = torch.cat([h[0] for h in amax_histories])
+    if fused:
+        import transformer_engine_torch as tex
+
+        tex.fused_amax_and_scale_update_after_reduction(
+            latest, amax_histories, scales, amax_compute_algo, _te_dtype(fp8_dtype), margin
+        )
+        return
+    from transformer_engine.common.recipe import DelayedScaling, Format
+    from transformer_engine.pytorch import quantization as q
+
+    recipe = DelayedScaling(margin=int(margin), amax_compute_algo=amax_compute_algo)
+    fmt = Format.E4M3 if fp8_dtype == "e4m3" else Format.E5M2
+    for history, scale in zip(amax_histories, scales):
+        q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
+
+
+@amax_and_scale_update.register_fake
+def _(amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused) -> None:
+    return None

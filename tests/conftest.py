@@ -1,0 +1,176 @@
+"""Shared test harness: TE availability, patch state, a recording backend, a pretend-GPU fixture.
+
+CPU tests never touch a CUDA driver. `fake_gpu` makes TE believe it sits on a given GPU
+generation by setting the answers TE caches for its support checks (tests only); fake CUDA
+tensors come from FakeTensorMode (see `fake_cuda`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+warnings.filterwarnings("ignore", module="transformer_engine")
+
+try:
+    import transformer_engine.pytorch as te  # noqa: F401
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch import quantization as q
+    from transformer_engine.pytorch import utils as te_utils
+
+    TE_IMPORT_ERROR = None
+except Exception as e:  # noqa: BLE001
+    TE_IMPORT_ERROR = e
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_te = pytest.mark.skip(reason=f"Transformer Engine does not import: {TE_IMPORT_ERROR}")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+        elif TE_IMPORT_ERROR is not None:
+            item.add_marker(skip_te)
+
+
+@dataclasses.dataclass
+class RecordingBackend:
+    """A torch.compile backend that keeps every graph it is handed and runs it as is."""
+
+    graphs: list = dataclasses.field(default_factory=list)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def targets(self) -> list[str]:
+        """Names of every call_function target in every graph."""
+        return [
+            str(n.target) for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"
+        ]
+
+
+@pytest.fixture
+def backend():
+    return RecordingBackend()
+
+
+def compile_fullgraph(fn, backend, **kw):
+    return torch.compile(fn, backend=backend, fullgraph=True, **kw)
+
+
+@pytest.fixture
+def graph_breaks():
+    """Counts dynamo graph breaks (private counters: tests only)."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    return lambda: sum(counters["graph_break"].values())
+
+
+@pytest.fixture(autouse=True)
+def _clean_state():
+    """Fresh dynamo caches and TE global FP8 state around every test."""
+    torch._dynamo.reset()
+    if TE_IMPORT_ERROR is None:
+        q.FP8GlobalStateManager.reset()
+    yield
+    torch._dynamo.reset()
+    if TE_IMPORT_ERROR is None:
+        q.FP8GlobalStateManager.reset()
+
+
+@pytest.fixture
+def patched():
+    import te_compile
+
+    te_compile.patch()
+    yield te_compile
+    te_compile.unpatch()
+
+
+GENERATIONS = {
+    # name: (compute capability, support answers TE would cache on that GPU)
+    "hopper": (
+        (9, 0),
+        {
+            "_FP8_SUPPORT": (True, ""),
+            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
+            "_MXFP8_SUPPORT": (
+                False,
+                "Device compute capability 10.0 or higher required for MXFP8 execution.",
+            ),
+            "_NVFP4_SUPPORT": (
+                False,
+                "Device compute capability 10.0 or higher required for NVFP4 execution.",
+            ),
+        },
+    ),
+    "blackwell": (
+        (10, 0),
+        {
+            "_FP8_SUPPORT": (True, ""),
+            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
+            "_MXFP8_SUPPORT": (True, ""),
+            "_NVFP4_SUPPORT": (True, ""),
+        },
+    ),
+}
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """`fake_gpu("hopper")` makes TE believe it runs on that GPU generation (tests only)."""
+    if HAS_CUDA:
+        pytest.skip("pretending a GPU generation is for CPU-only runs")
+
+    def pretend(generation: str):
+        cc, answers = GENERATIONS[generation]
+        for name, value in answers.items():
+            monkeypatch.setattr(q, name, value)
+        for mod in (q, te_utils):
+            monkeypatch.setattr(mod, "get_device_compute_capability", lambda: cc)
+        return cc
+
+    return pretend
+
+
+@pytest.fixture
+def fake_cuda():
+    """A FakeTensorMode in which `torch.empty(..., device="cuda")` works without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+# The GPU generation each recipe needs (MXFP8 and NVFP4 need Blackwell).
+RECIPE_GENERATION = {
+    "delayed": "hopper",
+    "current": "hopper",
+    "block": "hopper",
+    "mxfp8": "blackwell",
+    "nvfp4": "blackwell",
+    "custom": "hopper",
+}
+
+
+def recipe_instances() -> dict:
+    """One instance of every recipe class TE 2.20 has (CustomRecipe with a trivial factory)."""
+    return {
+        "delayed": R.DelayedScaling(),
+        "current": R.Float8CurrentScaling(),
+        "block": R.Float8BlockScaling(),
+        "mxfp8": R.MXFP8BlockScaling(),
+        "nvfp4": R.NVFP4BlockScaling(),
+        "custom": R.CustomRecipe(qfactory=_identity_factory),
+    }
+
+
+def _identity_factory(role):
+    return None  # never called by the autocast tests; modules that need quantizers use their own
