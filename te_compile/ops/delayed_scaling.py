@@ -53,7 +53,7 @@ def amax_and_scale_update(
 
     recipe = DelayedScaling(margin=int(margin), amax_compute_algo=amax_compute_algo)
     fmt = Format.E4M3 if fp8_dtype == "e4m3" else Format.E5M2
-    for history, scale in zip(amax_histories, scales):
+    for history, scale in zip(amax_histories, scales, strict=True):
         q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
 
 

@@ -9,38 +9,12 @@ import textwrap
 import pytest
 import torch
 import transformer_engine.pytorch as te
+from autocast_cases import RECIPE_CODES, in_autocast, state_code
 from conftest import RECIPE_GENERATION, compile_fullgraph, recipe_instances
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 FGS = q.FP8GlobalStateManager
-RECIPE_CODES = {
-    R.DelayedScaling: 1,
-    R.Float8CurrentScaling: 2,
-    R.Float8BlockScaling: 3,
-    R.MXFP8BlockScaling: 4,
-    R.NVFP4BlockScaling: 5,
-    R.CustomRecipe: 6,
-}
-
-
-def state_code() -> int:
-    """The autocast state as one number, read the way TE modules read it."""
-    recipe = FGS.get_fp8_recipe()
-    code = 0
-    for cls, value in RECIPE_CODES.items():
-        if type(recipe) is cls:
-            code = value
-    return code + 10 * int(FGS.is_fp8_enabled()) + 100 * int(FGS.is_fp8_calibration())
-
-
-def in_autocast(**autocast_kwargs):
-    def fn(x):
-        with te.autocast(**autocast_kwargs):
-            inside = x + state_code()
-        return inside, x + state_code()
-
-    return fn
 
 
 def check_one_graph(fn, backend, graph_breaks, x):
@@ -151,7 +125,7 @@ def test_reset_does_not_recompile(patched, fake_gpu, backend):
     FGS.reset()
     second = compiled(X)
     assert len(backend.graphs) == 1
-    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
 
 def test_changing_recipe_outside_costs_one_recompile(patched, fake_gpu, backend):

@@ -1,0 +1,181 @@
+"""GPU suite for te.autocast under torch.compile with inductor: real tensors, results vs eager TE.
+
+Run on a GPU machine with TE installed: `bash scripts/gpu_suite.sh` (or `pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from autocast_cases import RECIPE_CODES, in_autocast, state_code
+from conftest import RECIPE_GENERATION, recipe_instances
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch import quantization as q
+
+pytestmark = pytest.mark.gpu
+FGS = q.FP8GlobalStateManager
+
+
+class InductorRecorder:
+    """Inductor, counting the graphs dynamo hands it (a recompile adds one)."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inductor = lookup_backend("inductor")
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inductor(gm, example_inputs)
+
+
+def supported(name: str) -> tuple[bool, str]:
+    check = {
+        "delayed": q.check_fp8_support,
+        "current": q.check_fp8_support,
+        "custom": q.check_fp8_support,
+        "block": q.check_fp8_block_scaling_support,
+        "mxfp8": q.check_mxfp8_support,
+        "nvfp4": q.check_nvfp4_support,
+    }[name]
+    return check()
+
+
+def x_cuda():
+    return torch.arange(16, dtype=torch.float32, device="cuda")
+
+
+@pytest.mark.parametrize("name", list(RECIPE_GENERATION))
+def test_autocast_inside_matches_eager(name, patched):
+    ok, reason = supported(name)
+    recipe = recipe_instances()[name]
+    fn = in_autocast(recipe=recipe)
+    compiled = torch.compile(fn, backend=InductorRecorder(), fullgraph=True)
+    if not ok:
+        with pytest.raises(RuntimeError, match="cannot run on this GPU"):
+            compiled(x_cuda())
+        return
+    got = compiled(x_cuda())
+    want = fn(x_cuda())
+    assert got[0][0].item() == 10 + RECIPE_CODES[type(recipe)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_nested_and_default_recipe_match_eager(patched):
+    delayed, current = R.DelayedScaling(), R.Float8CurrentScaling()
+
+    def fn(x):
+        with te.autocast(recipe=delayed):
+            a = x + state_code()
+            with te.autocast(recipe=current):
+                b = x + state_code()
+                with te.autocast(enabled=False, calibrating=True):
+                    c = x + state_code()
+            with te.autocast(recipe=None):
+                d = x + state_code()
+        return torch.stack([a, b, c, d])
+
+    backend = InductorRecorder()
+    got = torch.compile(fn, backend=backend, fullgraph=True)(x_cuda())
+    assert torch.equal(got, fn(x_cuda()))
+    assert backend.graphs == 1
+
+
+def test_reset_does_not_recompile(patched):
+    backend = InductorRecorder()
+    compiled = torch.compile(
+        in_autocast(recipe=R.DelayedScaling()), backend=backend, fullgraph=True
+    )
+    compiled(x_cuda())
+    FGS.reset()
+    compiled(x_cuda())
+    assert backend.graphs == 1
+
+
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
+def test_eager_te_module_between_compiled_regions(name, patched):
+    """autocast outside; compiled code before and after an eager te.Linear; equal to all-eager."""
+    if not supported(name)[0]:
+        pytest.skip(supported(name)[1])
+    recipe = recipe_instances()[name]
+    torch.manual_seed(0)
+    linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+
+    def pre(t):
+        return torch.nn.functional.gelu(t) * (1 + state_code())
+
+    def post(t):
+        return t.float().square().mean() + state_code()
+
+    def run(pre_fn, post_fn):
+        FGS.reset()
+        with te.autocast(recipe=recipe):
+            return post_fn(linear(pre_fn(x)))
+
+    eager = run(pre, post)
+    compiled = run(
+        torch.compile(pre, backend=InductorRecorder(), fullgraph=True),
+        torch.compile(post, backend=InductorRecorder(), fullgraph=True),
+    )
+    torch.testing.assert_close(compiled, eager, rtol=0, atol=0)
+    with torch.no_grad():  # FP8 really ran: the bf16 GEMM gives another answer
+        bf16 = post(torch.nn.functional.linear(pre(x), linear.weight, linear.bias)) + 10
+    assert not torch.equal(bf16, eager)
+
+
+def _delayed_state(recipe):
+    """A te.Linear that ran one eager DelayedScaling step, with fresh amaxes in history row 0."""
+    torch.manual_seed(0)
+    linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    with te.autocast(recipe=recipe):
+        linear(x).sum().backward()
+    meta = linear.fp8_meta["scaling_fwd"]
+    meta.amax_history[0].copy_(torch.rand_like(meta.amax_history[0]) * 100)
+    return meta
+
+
+@pytest.mark.parametrize(
+    "recipe_kwargs",
+    [
+        dict(amax_history_len=8),
+        dict(amax_history_len=4, amax_compute_algo="most_recent", margin=1),
+        dict(amax_history_len=1, fp8_format=R.Format.E4M3),
+    ],
+)
+def test_delayed_forward_update_matches_eager(recipe_kwargs, patched):
+    """The forward amax/scale update at a compiled autocast exit equals TE's eager update."""
+    recipe = R.DelayedScaling(**recipe_kwargs)
+
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return x * 2
+
+    FGS.reset()
+    meta = _delayed_state(recipe)
+    before = meta.amax_history.clone()
+    step(x_cuda())  # eager TE: reduce_and_update_fp8_tensors(forward=True)
+    eager = (meta.amax_history.clone(), meta.scale.clone())
+
+    FGS.reset()
+    torch._dynamo.reset()
+    meta = _delayed_state(recipe)
+    meta.amax_history.copy_(before)
+    torch.compile(step, backend=InductorRecorder(), fullgraph=True)(x_cuda())
+    assert not torch.equal(meta.amax_history, before), "the update did not run"
+    assert torch.equal(meta.amax_history, eager[0])
+    assert torch.equal(meta.scale, eager[1])
+
+
+def test_amax_and_scale_update_opcheck():
+    from te_compile import ops  # noqa: F401
+
+    histories = [torch.rand(4, 3, device="cuda") * 10, torch.rand(4, 1, device="cuda")]
+    scales = [torch.ones(3, device="cuda"), torch.ones(1, device="cuda")]
+    torch.library.opcheck(
+        torch.ops.te_compile.amax_and_scale_update.default,
+        (histories, scales, "max", "e4m3", 0.0, True),
+    )
