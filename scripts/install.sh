@@ -57,8 +57,10 @@ if ! "$py" -c "import transformer_engine_torch" 2>/dev/null; then
   if [ -z "$whl" ]; then
     log "building transformer-engine-torch $TE_VERSION from sdist against torch $torchver (~11 min on 2 cores)"
     src=$(mktemp -d)
-    pip download -q --no-deps --no-binary=:all: -d "$src" "transformer-engine-torch==$TE_VERSION"
     pip install -q ninja pybind11 cmake
+    # No build isolation: the extension must compile against the torch installed above.
+    pip download -q --no-deps --no-build-isolation --no-binary transformer-engine-torch \
+      -d "$src" "transformer-engine-torch==$TE_VERSION"
     CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")}
     # The /usr/local/bin/nvcc here is a wrapper script; take the toolkit it execs.
     if [ ! -f "$CUDA_HOME/include/cuda_runtime.h" ] && [ -d /usr/local/cuda ]; then CUDA_HOME=/usr/local/cuda; fi
