@@ -1,0 +1,102 @@
+"""te.Linear fwd+bwd: eager TE vs torch.compile (default and reduce-overhead), per recipe.
+
+    python bench/linear.py [--iters 50] [--shapes 1024x1024,4096x8192]
+
+Prints a table of median milliseconds per fwd+bwd step (H = hidden size, T = tokens).
+Each cell uses a fresh module and fresh compile; a cell that fails prints its error instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common import recipe as R  # noqa: E402
+from transformer_engine.pytorch import quantization as q  # noqa: E402
+
+import te_compile  # noqa: E402
+
+RECIPES = {
+    "bf16": lambda: None,
+    "delayed": R.DelayedScaling,
+    "current": R.Float8CurrentScaling,
+    "block": R.Float8BlockScaling,
+}
+MODES = ("eager", "compile", "reduce-overhead")
+
+
+def make_step(model, recipe):
+    def step(x):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            return model(x)
+
+    return step
+
+
+def time_cell(hidden: int, tokens: int, recipe_name: str, mode: str, iters: int) -> str:
+    recipe = RECIPES[recipe_name]()
+    if recipe is not None:
+        ok, why = (
+            q.check_fp8_block_scaling_support() if recipe_name == "block" else q.check_fp8_support()
+        )
+        if not ok:
+            return "n/a"
+    torch._dynamo.reset()
+    q.FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    model = te.Linear(hidden, hidden, params_dtype=torch.bfloat16)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    step = make_step(model, recipe)
+    if mode != "eager":
+        step = torch.compile(step, fullgraph=True, mode=None if mode == "compile" else mode)
+    try:
+        for _ in range(5):  # compile, warm up, CUDA-graph capture
+            step(x).backward(grad)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(iters):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step(x).backward(grad)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    except Exception as e:  # noqa: BLE001  (a failing cell is reported, not fatal)
+        return f"error: {type(e).__name__}"
+    return f"{statistics.median(times):.3f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--shapes", default="1024x1024,4096x8192", help="HxT,HxT,...")
+    parser.add_argument("--recipes", default=",".join(RECIPES))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/linear.py needs a CUDA GPU")
+        return
+    te_compile.patch()
+    print(f"te.Linear fwd+bwd, median ms over {args.iters} steps, {torch.cuda.get_device_name()}")
+    print(f"torch {torch.__version__}, TE {te.__version__ if hasattr(te, '__version__') else ''}")
+    header = f"| {'H':>5} | {'T':>5} | {'recipe':<8} | " + " | ".join(f"{m:>16}" for m in MODES)
+    print(header)
+    print("|" + "|".join("-" * (len(c) + 0) for c in header.split("|")[1:-1]) + "|")
+    for shape in args.shapes.split(","):
+        hidden, tokens = (int(v) for v in shape.split("x"))
+        for name in args.recipes.split(","):
+            cells = [time_cell(hidden, tokens, name, mode, args.iters) for mode in MODES]
+            print(
+                f"| {hidden:>5} | {tokens:>5} | {name:<8} | "
+                + " | ".join(f"{c:>16}" for c in cells)
+            )
+
+
+if __name__ == "__main__":
+    main()
