@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU suite in one command, on a machine with a CUDA GPU and TE installed:
 #   bash scripts/gpu_suite.sh
-# Runs the doctor, the GPU tests and the benchmarks; logs go to $OUT (or /tmp/te-compile-gpu);
+# Runs the doctor, the GPU tests and the benchmarks (BENCH=0 skips them); logs go to $OUT (or /tmp/te-compile-gpu);
 # a short table comes last. Uses the python3 on PATH (override with PYTHON=...).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -14,7 +14,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -m pytest tests -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
   "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
-for bench in bench/*.py; do
+for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   [ -f "$bench" ] || continue
   echo "== $bench" | tee -a "$out/bench.log"
   "$py" "$bench" 2>&1 | tee -a "$out/bench.log"
