@@ -28,9 +28,9 @@ def patch() -> None:
     if _PATCHER.active:
         return
     check_versions()
-    from . import autocast
+    from . import autocast, modules
 
-    _PATCHER.apply(autocast.swaps())
+    _PATCHER.apply(autocast.swaps() + modules.swaps())
 
 
 def unpatch() -> None:

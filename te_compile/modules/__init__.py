@@ -1,0 +1,12 @@
+"""Compile paths for TE modules, one file per module. Each file's `swaps()` patches the module's
+forward so that TE runs unchanged outside torch.compile and our ops run while tracing."""
+
+from __future__ import annotations
+
+from ..patching import Swap
+
+
+def swaps() -> list[Swap]:
+    from . import linear
+
+    return linear.swaps()

@@ -1,0 +1,200 @@
+"""te.Linear under torch.compile: the patched `Linear.forward`.
+
+Not compiling: TE's own forward, unchanged. While dynamo traces: this module reads the autocast
+state and the module's configuration (trace-time constants), refuses what it does not
+implement, and calls `te_compile::linear_fwd`, whose autograd formula calls
+`te_compile::linear_bwd`. It never calls TE's `prepare_forward` (which allocates and queries
+the driver) and writes no module state, so a traced step is replayable as is.
+
+Recipes: none (bf16/fp16/fp32), Float8CurrentScaling and Float8BlockScaling. DelayedScaling
+keeps per-module amax/scale state that TE allocates in `prepare_forward`; the compiled path
+does not handle it yet and says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..errors import UnsupportedUnderCompileError
+from ..patching import Swap
+from ..recipes import QuantConfig, for_linear
+
+# Devices the compiled path accepts. Tests add "meta" to trace backward without a GPU (the
+# autograd engine queries the CUDA driver for fake CUDA tensors).
+DEVICE_TYPES = ("cuda",)
+_WAY_OUT = "run this module outside torch.compile (or wrap the call in torch.compiler.disable)"
+
+
+def _unsupported(option: str, fix: str = "") -> UnsupportedUnderCompileError:
+    fix = f"{fix}, or {_WAY_OUT}" if fix else _WAY_OUT
+    return UnsupportedUnderCompileError(
+        f"te.Linear with {option} is not supported under torch.compile by te_compile; {fix}."
+    )
+
+
+def _check_module(m, is_first_microbatch, fp8_output, fp8_grad, fp8: bool) -> None:
+    """Every te.Linear option eager TE honours that this path does not: raise, naming it."""
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    from transformer_engine.pytorch import cpu_offload, distributed
+
+    if m.fuse_wgrad_accumulation:
+        raise _unsupported("fuse_wgrad_accumulation=True", "set fuse_wgrad_accumulation=False")
+    if fp8 and is_first_microbatch is not None:
+        raise _unsupported(
+            "is_first_microbatch (FP8 weight caching)", "pass is_first_microbatch=None"
+        )
+    # Without FP8 these are inert in eager TE (no quantizers), so only FP8 refuses them.
+    if fp8 and fp8_output:
+        raise _unsupported("fp8_output=True", "pass fp8_output=False")
+    if fp8 and fp8_grad:
+        raise _unsupported("fp8_grad=True", "pass fp8_grad=False")
+    for name in (
+        "ub_overlap_rs_fprop",
+        "ub_overlap_ag_fprop",
+        "ub_overlap_rs_dgrad",
+        "ub_overlap_ag_dgrad",
+        "ub_bulk_dgrad",
+        "ub_bulk_wgrad",
+    ):
+        if getattr(m, name, False):
+            raise _unsupported(f"userbuffers overlap ({name}=True)", f"set {name}=False")
+    if m.tp_size > 1 or m.sequence_parallel:
+        raise _unsupported(
+            "tensor/sequence parallelism (tp_size > 1 or sequence_parallel=True)",
+            "use tp_size=1 and sequence_parallel=False",
+        )
+    if m.fsdp_group is not None:
+        raise _unsupported("TE-managed FSDP (fsdp_group)", "use FSDP2")
+    if m.wgrad_store is not None and m.wgrad_store.delay_wgrad_compute():
+        raise _unsupported("delay_wgrad_compute=True", "set delay_wgrad_compute=False")
+    if m.save_original_input:
+        raise _unsupported("save_original_input=True", "set save_original_input=False")
+    if len(m.weight_names) != 1:
+        raise _unsupported("parameters_split", "use one weight parameter")
+    if m.primary_weights_in_fp8 or _is_quantized(getattr(m, m.weight_names[0])):
+        raise _unsupported(
+            "FP8 parameters (quantized_model_init)", "create the module with high-precision weights"
+        )
+    if TEDebugState.debug_enabled:
+        raise _unsupported("TE debug mode (nvidia-dlfw-inspect)", "disable TE debug")
+    if cpu_offload.is_cpu_offload_enabled():
+        raise _unsupported("CPU activation offloading", "disable CPU offload")
+    if distributed.is_fp8_activation_recompute_enabled():
+        raise _unsupported("TE activation recompute (te.distributed.checkpoint) with FP8")
+
+
+def _is_quantized(t) -> bool:
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+
+    return isinstance(t, QuantizedTensorStorage)
+
+
+def _quant_config(recipe) -> QuantConfig:
+    from transformer_engine.common import recipe as R
+
+    if isinstance(recipe, R.DelayedScaling):
+        raise _unsupported(
+            "DelayedScaling", "use Float8CurrentScaling or Float8BlockScaling under compile"
+        )
+    if not isinstance(recipe, (R.Float8CurrentScaling, R.Float8BlockScaling)):
+        raise _unsupported(
+            f"the {type(recipe).__name__} recipe",
+            "use Float8CurrentScaling or Float8BlockScaling under compile",
+        )
+    if recipe.backward_override is not None:
+        raise _unsupported(
+            f"backward_override={recipe.backward_override!r}",
+            "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
+        )
+    from transformer_engine.pytorch import utils
+
+    cc = utils.get_device_compute_capability()
+    # TE's is_non_tn_fp8_gemm_supported rule, from the cached capability: no driver call.
+    non_tn = (10, 0) <= cc < (12, 0) or cc >= (13, 0)
+    return for_linear(recipe, fp8_transpose=not non_tn)
+
+
+def _activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
+    """TE's set_activation_dtype, without writing it to the module."""
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for name, param in m.named_parameters():
+        if param is not None and param.dtype != inp.dtype:
+            raise TypeError(
+                "Data types for parameters must match when outside of autocasted region. "
+                f"Found input dtype: {inp.dtype} and {name!r} dtype: {param.dtype}"
+            )
+    return inp.dtype
+
+
+def _check_input(inp: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
+    if _is_quantized(inp):
+        raise _unsupported("a quantized input tensor", "pass a high-precision tensor")
+    if inp.device.type not in DEVICE_TYPES or weight.device.type not in DEVICE_TYPES:
+        raise RuntimeError(
+            "TransformerEngine needs CUDA: got input on "
+            f"{inp.device} and weight on {weight.device}."
+        )
+    if inp.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"te.Linear: input's last dimension {inp.shape[-1]} does not match "
+            f"in_features={weight.shape[1]}"
+        )
+    if fp8:
+        for name, t in (("input", inp), ("weight", weight)):
+            if math.prod(t.shape[:-1]) % 8 != 0 or t.shape[-1] % 16 != 0:
+                raise ValueError(
+                    f"FP8 execution requires the {name}'s product of all dimensions except "
+                    "the last to be divisible by 8 and its last dimension to be divisible by "
+                    f"16, got {list(t.shape)}"
+                )
+
+
+def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+    """The traceable te.Linear forward (see the module docstring)."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    fp8 = state.is_fp8_enabled()
+    if state.is_fp8_calibration():
+        raise _unsupported("te.autocast(calibrating=True)", "calibrate eagerly")
+    _check_module(self, is_first_microbatch, fp8_output, fp8_grad, fp8)
+    cfg = _quant_config(state.get_fp8_recipe()) if fp8 else QuantConfig()
+
+    weight = getattr(self, self.weight_names[0])
+    bias = getattr(self, self.bias_names[0]) if self.use_bias else None
+    _check_input(inp, weight, fp8)
+    act_dtype = _activation_dtype(self, inp)
+    inp = inp.contiguous()
+
+    fused_bias = bias if (self.apply_bias and not self.gemm_bias_unfused_add) else None
+    grad = torch.is_grad_enabled()
+    # What backward reads, decided as eager TE decides it (from requires_grad at forward).
+    save_input = grad and weight.requires_grad
+    save_weight = grad and inp.requires_grad
+    out = torch.ops.te_compile.linear_fwd(
+        inp, weight, fused_bias, act_dtype, save_input, save_weight, *cfg.op_args()
+    )[0]
+    if self.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
+        out = out + bias.to(act_dtype)
+    if self.return_bias:
+        return out, (bias.to(act_dtype) if bias is not None else None)
+    return out
+
+
+def make_forward(original):
+    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
+        if not torch.compiler.is_compiling():
+            return original(self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return compiled_forward(self, inp, is_first_microbatch, fp8_output, fp8_grad)
+
+    forward.__doc__ = original.__doc__
+    return forward
+
+
+def swaps() -> list[Swap]:
+    from transformer_engine.pytorch.module.linear import Linear
+
+    return [Swap(Linear, "forward", make_forward(vars(Linear)["forward"]))]

@@ -1,0 +1,137 @@
+"""FP8 GEMM operands as plain tensors: TE quantizers rebuilt from a `QuantConfig`, and a
+quantized operand's column-wise half (what backward GEMMs read) taken apart and put back
+together across op boundaries.
+
+Column-wise parts, per config kind:
+- "current" (per-tensor): [data, scale_inv]. `data` is TE's separate transpose
+  (uint8 [last, *leading]) when `cfg.fp8_transpose`, else the row-major data itself (GPUs
+  with non-TN FP8 GEMMs read it directly). scale_inv is float32 [1].
+- "block": [columnwise_data, columnwise_scale_inv]: uint8 [last, *leading] and float32 of
+  the shape TE's `Float8BlockQuantizer.get_scale_shape(shape, columnwise=True)` gives.
+
+The `fake_*` helpers compute the same shapes without touching a device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipes import ROLES, QuantConfig
+
+
+def _te_dtype(name: str):
+    import transformer_engine_torch as tex
+
+    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[name]
+
+
+def make_quantizer(cfg: QuantConfig, role: str, *, rowwise: bool, columnwise: bool):
+    """The quantizer te.Linear uses for `role`, configured as eager TE configures it."""
+    i = ROLES.index(role)
+    if cfg.kind == "current":
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+        q = Float8CurrentScalingQuantizer(
+            _te_dtype(cfg.dtypes[i]),
+            None,  # the device argument is ignored by TE 2.20
+            rowwise=rowwise,
+            columnwise=columnwise,
+            force_pow_2_scales=cfg.pow2[i],
+            amax_epsilon=cfg.amax_eps[i],
+        )
+    elif cfg.kind == "block":
+        q = _block_quantizer(cfg, i, rowwise=rowwise, columnwise=columnwise)
+    else:
+        raise ValueError(f"no quantizer for QuantConfig kind {cfg.kind!r}")
+    # Linear marks all its quantizers internal (bare storages, no autograd) and asks input and
+    # grad-output quantization to produce GEMM-ready scales (a no-op for these two kinds).
+    q.internal = True
+    q.optimize_for_gemm = role != "weight"
+    return q
+
+
+def _block_quantizer(cfg: QuantConfig, i: int, *, rowwise: bool, columnwise: bool):
+    from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    return Float8BlockQuantizer(
+        _te_dtype(cfg.dtypes[i]),
+        rowwise=rowwise,
+        columnwise=columnwise,
+        amax_epsilon=cfg.amax_eps[i],
+        force_pow_2_scales=cfg.pow2[i],
+        block_scaling_dim=cfg.block_dims[i],
+    )
+
+
+def columnwise_parts(storage, cfg: QuantConfig) -> list[torch.Tensor]:
+    """The column-wise data and scales of a quantized operand, as plain tensors."""
+    if cfg.kind == "current":
+        data = storage._transpose if cfg.fp8_transpose else storage._data
+        if data is None:
+            raise RuntimeError(
+                "te_compile: the FP8 operand has no column-wise data in the layout the trace "
+                f"assumed (fp8_transpose={cfg.fp8_transpose}); was the program traced for "
+                "another GPU generation?"
+            )
+        return [data, storage._scale_inv]
+    if cfg.kind == "block":
+        return [storage._columnwise_data, storage._columnwise_scale_inv]
+    raise ValueError(f"no FP8 operand for QuantConfig kind {cfg.kind!r}")
+
+
+def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, fake_dtype):
+    """A TE storage holding only the column-wise half, ready for `general_gemm`."""
+    i = ROLES.index(role)
+    data, scale_inv = parts
+    if cfg.kind == "current":
+        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
+            Float8TensorStorage,
+        )
+
+        # GEMMs read only data, transpose, scale_inv and dtype: no quantizer needed.
+        return Float8TensorStorage(
+            data=None if cfg.fp8_transpose else data,
+            data_transpose=data if cfg.fp8_transpose else None,
+            fp8_scale_inv=scale_inv,
+            fp8_dtype=_te_dtype(cfg.dtypes[i]),
+            fake_dtype=fake_dtype,
+        )
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+
+    return Float8BlockwiseQTensorStorage(
+        None,
+        None,
+        data,
+        scale_inv,
+        _te_dtype(cfg.dtypes[i]),
+        _block_quantizer(cfg, i, rowwise=False, columnwise=True),
+        cfg.block_dims[i] == 2,
+        fake_dtype=fake_dtype,
+    )
+
+
+def columnwise_count(cfg: QuantConfig) -> int:
+    return 2 if cfg.fp8 else 0
+
+
+def _transposed(shape) -> list:
+    return [shape[-1], *shape[:-1]]
+
+
+def fake_columnwise_parts(shape, cfg: QuantConfig, role: str, like: torch.Tensor) -> list:
+    """Empty tensors shaped like `columnwise_parts` of a `shape` operand (fake kernels)."""
+    shape = list(shape)
+    if cfg.kind == "current":
+        data_shape = _transposed(shape) if cfg.fp8_transpose else shape
+        return [
+            like.new_empty(data_shape, dtype=torch.uint8),
+            like.new_empty([1], dtype=torch.float32),
+        ]
+    i = ROLES.index(role)
+    q = _block_quantizer(cfg, i, rowwise=False, columnwise=True)
+    return [
+        like.new_empty(_transposed(shape), dtype=torch.uint8),
+        like.new_empty(list(q.get_scale_shape(shape, columnwise=True)), dtype=torch.float32),
+    ]

@@ -1,0 +1,140 @@
+"""Recipes flattened into plain values, so they can cross a custom-op boundary.
+
+`QuantConfig` holds everything a GEMM layer's ops need to rebuild TE's quantizers and GEMM
+arguments. It is built from a TE recipe at trace time (`for_linear`) and travels as the plain
+values of `op_args()`; the op side rebuilds it with `QuantConfig.from_op_args`. This module
+reads TE recipe objects but never touches a device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Roles of the three quantized GEMM operands, in the order of the per-role lists below.
+ROLES = ("input", "weight", "grad")
+KINDS = ("none", "current", "block")
+_FP8_DTYPES = ("e4m3", "e5m2")
+
+# TE's split-accumulator defaults when the recipe has no fp8_gemm_* fields (module/base.py).
+_DEFAULT_SPLIT_ACC = (False, True, True)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """One layer's quantization setup. Per-role tuples follow `ROLES`; `split_acc` is
+    (fprop, dgrad, wgrad)."""
+
+    kind: str = "none"
+    dtypes: tuple[str, str, str] = ("e4m3", "e4m3", "e5m2")
+    pow2: tuple[bool, bool, bool] = (False, False, False)
+    amax_eps: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    block_dims: tuple[int, int, int] = (1, 2, 1)  # used by kind == "block" only
+    split_acc: tuple[bool, bool, bool] = _DEFAULT_SPLIT_ACC
+    # Per-tensor FP8 keeps column-wise data as a separate transpose unless the GPU runs
+    # non-TN FP8 GEMMs (TE's is_non_tn_fp8_gemm_supported): decides saved-tensor shapes.
+    fp8_transpose: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"QuantConfig.kind must be one of {KINDS}, got {self.kind!r}")
+        for dtype in self.dtypes:
+            if dtype not in _FP8_DTYPES:
+                raise ValueError(f"FP8 dtype must be one of {_FP8_DTYPES}, got {dtype!r}")
+        for dim in self.block_dims:
+            if dim not in (1, 2):
+                raise ValueError(f"block scaling dims must be 1 or 2, got {self.block_dims}")
+
+    @property
+    def fp8(self) -> bool:
+        return self.kind != "none"
+
+    def op_args(self) -> tuple:
+        """The config as plain op arguments. Custom-op schemas have no list of strings, so the
+        per-role FP8 dtypes travel as one comma-separated string ("e4m3,e4m3,e5m2")."""
+        return (
+            self.kind,
+            ",".join(self.dtypes),
+            list(self.pow2),
+            [float(e) for e in self.amax_eps],
+            list(self.block_dims),
+            list(self.split_acc),
+            self.fp8_transpose,
+        )
+
+    @classmethod
+    def from_op_args(
+        cls, kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose
+    ) -> QuantConfig:
+        return cls(
+            kind=kind,
+            dtypes=tuple(dtypes.split(",")),
+            pow2=tuple(bool(p) for p in pow2),
+            amax_eps=tuple(float(e) for e in amax_eps),
+            block_dims=tuple(int(d) for d in block_dims),
+            split_acc=tuple(bool(s) for s in split_acc),
+            fp8_transpose=bool(fp8_transpose),
+        )
+
+
+def _dtype_name(recipe, fprop: bool) -> str:
+    """TE's get_fp8_te_dtype rule: E4M3 everywhere, or HYBRID (E4M3 forward, E5M2 backward)."""
+    from transformer_engine.common.recipe import Format
+
+    if recipe.fp8_format == Format.E4M3 or (recipe.fp8_format == Format.HYBRID and fprop):
+        return "e4m3"
+    return "e5m2"
+
+
+def _split_acc(recipe) -> tuple[bool, bool, bool]:
+    names = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+    return tuple(
+        getattr(recipe, n).use_split_accumulator if hasattr(recipe, n) else default
+        for n, default in zip(names, _DEFAULT_SPLIT_ACC, strict=True)
+    )
+
+
+def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float]]:
+    # Read from the instance: TE declares these as class attributes built from environment
+    # defaults, but an instance may override them.
+    params = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+    return (
+        tuple(bool(p.power_2_scale) for p in params),
+        tuple(float(p.amax_epsilon) for p in params),
+    )
+
+
+def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
+    """The config te.Linear uses for `recipe` (None: no FP8). Only the recipe kinds in `KINDS`
+    are handled here; the caller rejects the others first."""
+    from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling
+
+    if recipe is None:
+        return QuantConfig()
+    fwd, bwd = _dtype_name(recipe, True), _dtype_name(recipe, False)
+    pow2, eps = _qparams(recipe)
+    if isinstance(recipe, Float8CurrentScaling):
+        # Linear overrides the recipe-state quantizers with the fp8_quant_* params
+        # (Linear._customize_quantizers_float8_current_scaling).
+        return QuantConfig(
+            kind="current",
+            dtypes=(fwd, fwd, bwd),
+            pow2=pow2,
+            amax_eps=eps,
+            split_acc=_split_acc(recipe),
+            fp8_transpose=fp8_transpose,
+        )
+    if isinstance(recipe, Float8BlockScaling):
+        return QuantConfig(
+            kind="block",
+            dtypes=(fwd, fwd, bwd),
+            pow2=pow2,
+            amax_eps=eps,
+            block_dims=(
+                recipe.x_block_scaling_dim,
+                recipe.w_block_scaling_dim,
+                recipe.grad_block_scaling_dim,
+            ),
+            split_acc=_split_acc(recipe),
+            fp8_transpose=fp8_transpose,
+        )
+    raise TypeError(f"no QuantConfig for {type(recipe).__name__}")
