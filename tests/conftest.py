@@ -123,6 +123,10 @@ GENERATIONS = {
 }
 
 
+def constant_capability(cc):
+    return torch.compiler.assume_constant_result(lambda: cc)
+
+
 @pytest.fixture
 def fake_gpu(monkeypatch):
     """`fake_gpu("hopper")` makes TE believe it runs on that GPU generation (tests only)."""
@@ -134,7 +138,8 @@ def fake_gpu(monkeypatch):
         for name, value in answers.items():
             monkeypatch.setattr(q, name, value)
         for mod in (q, te_utils):
-            monkeypatch.setattr(mod, "get_device_compute_capability", lambda: cc)
+            # Keep TE's assume_constant_result wrapper: compiled code sees what it sees on a GPU.
+            monkeypatch.setattr(mod, "get_device_compute_capability", constant_capability(cc))
         return cc
 
     return pretend

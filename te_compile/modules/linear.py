@@ -109,12 +109,18 @@ def _quant_config(recipe) -> QuantConfig:
             f"backward_override={recipe.backward_override!r}",
             "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
         )
+    return for_linear(recipe, fp8_transpose=_fp8_transpose_layout())
+
+
+@torch.compiler.assume_constant_result
+def _fp8_transpose_layout() -> bool:
+    """Whether per-tensor FP8 keeps a separate transpose: TE's is_non_tn_fp8_gemm_supported
+    rule, decided once at trace time from TE's cached capability (no driver call is traced;
+    comparing the capability tuple in traced code trips dynamo on torch 2.11)."""
     from transformer_engine.pytorch import utils
 
     cc = utils.get_device_compute_capability()
-    # TE's is_non_tn_fp8_gemm_supported rule, from the cached capability: no driver call.
-    non_tn = (10, 0) <= cc < (12, 0) or cc >= (13, 0)
-    return for_linear(recipe, fp8_transpose=not non_tn)
+    return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
 
 
 def _activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
