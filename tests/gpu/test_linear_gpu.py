@@ -183,7 +183,15 @@ def test_linear_fwd_opcheck(name, bias):
     skip_unless_supported(name)
     import te_compile.ops  # noqa: F401
 
-    torch.library.opcheck(torch.ops.te_compile.linear_fwd.default, _fwd_args(name, bias))
+    checks = ("test_schema", "test_autograd_registration", "test_faketensor")
+    if name != "block":
+        # Block scaling's column-wise scale_inv is padded (to multiples of 4) and TE leaves the
+        # padding unwritten, so two runs differ there; the GEMMs never read it (the parity
+        # tests above compare every result bit for bit).
+        checks += ("test_aot_dispatch_dynamic",)
+    torch.library.opcheck(
+        torch.ops.te_compile.linear_fwd.default, _fwd_args(name, bias), test_utils=checks
+    )
 
 
 @pytest.mark.parametrize("name", RECIPES)
