@@ -1,14 +1,18 @@
-"""te-compile demo: te.autocast inside torch.compile(fullgraph=True), for every TE recipe.
+"""te-compile demo: an MLP of te.Linear layers trained under torch.compile(fullgraph=True) with FP8.
 
-On a GPU: each recipe the GPU supports is compiled with inductor, and the state TE modules read
-inside the compiled region (FP8 on, recipe) is checked against eager TE; a te.Linear then runs
-eagerly between two compiled regions. Without a GPU: the same functions are traced on the CPU as
-if on Hopper and on Blackwell, and a trace report is printed (graphs, graph breaks, state seen).
+On a GPU: for each recipe, a 3-layer te.Linear MLP trains 20 steps with its forward + loss
+compiled by inductor (fullgraph=True, te.autocast inside), and a fresh copy (same seed) trains the
+same 20 steps with eager TE; a table compares graphs, losses and step times. A recipe that the
+GPU or te-compile does not support prints one row with the reason.
+Without a GPU: the same step function is traced on the CPU as if on Hopper (Blackwell for MXFP8
+and NVFP4), forward on fake CUDA tensors and forward + backward (AOTAutograd) on meta tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
+import statistics
 import time
 import warnings
 
@@ -16,107 +20,217 @@ import torch
 
 warnings.filterwarnings("ignore")
 
+import transformer_engine  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402  (demo only: counts graph breaks)
 from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS  # noqa: E402
 
 import te_compile  # noqa: E402
-from te_compile.testing import RecordingBackend, pretend_gpu  # noqa: E402
+from te_compile import testing  # noqa: E402
 
+# name: (recipe factory, the GPU generation the CPU trace pretends to be on)
 RECIPES = {
-    "DelayedScaling": (R.DelayedScaling, "hopper"),
+    "bf16 (no FP8)": (lambda: None, "hopper"),
     "Float8CurrentScaling": (R.Float8CurrentScaling, "hopper"),
     "Float8BlockScaling": (R.Float8BlockScaling, "hopper"),
+    "DelayedScaling": (R.DelayedScaling, "hopper"),
     "MXFP8BlockScaling": (R.MXFP8BlockScaling, "blackwell"),
     "NVFP4BlockScaling": (R.NVFP4BlockScaling, "blackwell"),
-    "default (recipe=None)": (lambda: None, "hopper"),
-    "default on Blackwell": (lambda: None, "blackwell"),
 }
-NAMES = list(RECIPES)
+DIM, TOKENS, STEPS, LR = 1024, 2048, 20, 1e-3
+LAYERS = ("fc1", "fc2", "fc3")
 
 
-def seen_state() -> int:
-    """What a TE module sees: 1000 if FP8 is on, plus the index of the recipe class."""
-    recipe = FGS.get_fp8_recipe()
-    index = next(i for i, cls in enumerate(RECIPES.values()) if type(recipe) is cls[0])
-    return 1000 * int(FGS.is_fp8_enabled()) + index
+class MLP(torch.nn.Module):
+    def __init__(self, device=None):
+        super().__init__()
+        for name in LAYERS:
+            setattr(self, name, te.Linear(DIM, DIM, params_dtype=torch.bfloat16, device=device))
+
+    def forward(self, x):
+        x = torch.nn.functional.gelu(self.fc1(x))
+        x = torch.nn.functional.gelu(self.fc2(x))
+        return self.fc3(x)
 
 
-def step_fn(recipe):
-    def step(x):
-        with te.autocast(recipe=recipe):
-            return x * 2 + seen_state()
+def loss_fn(model, recipe):
+    """Forward + MSE loss, under te.autocast with FP8 (no autocast at all for bf16)."""
 
-    return step
+    def forward_loss(x, y):
+        fp8 = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with fp8:
+            out = model(x)
+        return torch.nn.functional.mse_loss(out.float(), y)
+
+    return forward_loss
 
 
-def describe(code: int) -> str:
-    return f"fp8={'on' if code >= 1000 else 'off'}, recipe={NAMES[code % 1000]}"
+def reason(e: BaseException, width: int = 140) -> str:
+    """The error's own message, unwrapped from dynamo's "Observed exception" and "backend=...
+    raised:" wrappers: its first clause, at most `width` characters."""
+    text = str(e)
+    inner = re.search(r"raised exception \w+\((['\"])(.*?)\1\)", text, re.S)
+    lines = [inner[2]] if inner else [ln for ln in text.splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.endswith(" raised:")] or [type(e).__name__]
+    text = lines[0].split("; ")[0]  # the what, not the way out
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+# ---- without a GPU: trace report ---------------------------------------------------------------
+
+
+def te_ops(graphs) -> list[str]:
+    return [t for t in testing.op_targets(graphs) if t.startswith("te_compile")]
+
+
+def ops_per_layer(graphs) -> list[int]:
+    """te_compile ops in the dynamo graphs, by the te.Linear they were traced in (last: other)."""
+    counts = dict.fromkeys((*LAYERS, "other"), 0)
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            if n.op == "call_function" and str(n.target).startswith("te_compile"):
+                paths = [path for path, _ in n.meta.get("nn_module_stack", {}).values()]
+                layers = [p.rsplit(".", 1)[-1] for p in paths if p.rsplit(".", 1)[-1] in LAYERS]
+                counts[layers[-1] if layers else "other"] += 1
+    return list(counts.values())
+
+
+def trace_forward(recipe, generation):
+    torch._dynamo.reset()
+    FGS.reset()
+    counters.clear()
+    backend = testing.RecordingBackend()
+    # TE's DelayedScaling state is made for real while tracing: on meta, as there is no GPU.
+    with testing.pretend_gpu(generation), testing.fake_cuda(), testing.recipe_state_on("meta"):
+        model = testing.build_without_gpu(lambda: MLP(device="meta"), "cuda")
+        x = torch.empty(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
+        y = torch.empty(TOKENS, DIM, device="cuda")
+        torch.compile(loss_fn(model, recipe), backend=backend, fullgraph=True)(x, y)
+    return len(backend.graphs), sum(counters["graph_break"].values()), backend.graphs
+
+
+def trace_joint(recipe, generation):
+    torch._dynamo.reset()
+    FGS.reset()
+    rec = testing.JointRecorder()
+    with testing.pretend_gpu(generation), testing.meta_accepted(), testing.recipe_state_on("meta"):
+        model = testing.build_without_gpu(lambda: MLP(device="meta"), "meta")
+        x = torch.empty(TOKENS, DIM, device="meta", dtype=torch.bfloat16)
+        y = torch.empty(TOKENS, DIM, device="meta")
+        torch.compile(loss_fn(model, recipe), backend=rec.backend, fullgraph=True)(x, y).backward()
+    missing = "" if all(p.grad is not None for p in model.parameters()) else "  grads MISSING"
+    fw, bw = f"{len(rec.fw)}/{len(rec.bw)}", f"{len(te_ops(rec.fw))}/{len(te_ops(rec.bw))}"
+    return f"{fw:>9}{bw:>9}{missing}"
 
 
 def trace_report() -> None:
     te_compile.patch()
-    print("No GPU: tracing on the CPU as if on the named GPU (TE's support answers pinned).\n")
-    print(f"{'recipe':<24}{'as if on':<11}{'graphs':>7}{'breaks':>8}  state inside the trace")
+    print("No GPU: tracing on the CPU as if on the named GPU (TE's support answers pinned).")
+    print(f"Step: forward + MSE loss of {len(LAYERS)} x te.Linear({DIM}, {DIM}, bf16) with GELU,")
+    print(f"{TOKENS} tokens, torch.compile(fullgraph=True), te.autocast inside.\n")
+    layers = "".join(f"{n:>6}" for n in (*LAYERS, "other"))
+    print(f"{'':<47}{'te_compile ops':^24}  {'AOTAutograd':^18}")
+    print(
+        f"{'recipe':<22}{'as if on':<11}{'graphs':>7}{'breaks':>7}{layers}  {'graphs':>9}{'ops':>9}"
+    )
     for name, (make, generation) in RECIPES.items():
-        torch._dynamo.reset()
-        counters.clear()
-        backend = RecordingBackend()
-        with pretend_gpu(generation):
-            out = torch.compile(step_fn(make()), backend=backend, fullgraph=True)(torch.zeros(1))
-        breaks = sum(counters["graph_break"].values())
-        code = int(out.item())
-        print(f"{name:<24}{generation:<11}{len(backend.graphs):>7}{breaks:>8}  {describe(code)}")
+        row = f"{name:<22}{generation:<11}"
+        try:
+            graphs, breaks, gms = trace_forward(make(), generation)
+        except RuntimeError as e:
+            print(f"{row}raises: {reason(e)}")
+            continue
+        per_layer = "".join(f"{c:>6}" for c in ops_per_layer(gms))
+        try:
+            joint = trace_joint(make(), generation)
+        except RuntimeError as e:
+            joint = f"raises: {reason(e)}"
+        print(f"{row}{graphs:>7}{breaks:>7}{per_layer}  {joint}")
+    print(
+        "\ngraphs, breaks, te_compile ops per te.Linear: dynamo on fake CUDA tensors (forward).\n"
+        "AOTAutograd: forward + loss.backward() on meta tensors, fwd/bwd graphs and te_compile ops."
+    )
+
+
+# ---- on a GPU: train compiled and eager --------------------------------------------------------
+
+
+class CountingInductor:
+    """Inductor, counting the graphs dynamo hands it (a recompile or graph break adds one)."""
+
+    def __init__(self):
+        self.inductor = torch._dynamo.backends.registry.lookup_backend("inductor")
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inductor(gm, example_inputs)
+
+
+def batches():
+    """STEPS batches of a synthetic regression task: y = tanh(x @ teacher)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    teacher = torch.randn(DIM, DIM, device="cuda", generator=g) / DIM**0.5
+    xs = [torch.randn(TOKENS, DIM, device="cuda", generator=g) for _ in range(STEPS)]
+    return [(x.bfloat16(), torch.tanh(x @ teacher)) for x in xs]
+
+
+def train(recipe, compiled: bool, data):
+    """STEPS AdamW steps on a fresh MLP: (losses, median step ms of steps 2.., graphs)."""
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    model = MLP(device="cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    backend = CountingInductor()
+    step = loss_fn(model, recipe)
+    if compiled:
+        step = torch.compile(step, backend=backend, fullgraph=True)
+    losses, times = [], []
+    for x, y in data:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(x, y)  # compiled: forward + loss; backward runs AOTAutograd's graph
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(1e3 * (time.perf_counter() - start))
+        losses.append(loss.detach())
+    return torch.stack(losses).cpu(), statistics.median(times[1:]), backend.graphs
 
 
 def gpu_report() -> None:
     te_compile.patch()
-    print(te_compile.doctor(), "\n")
+    versions = f"torch {torch.__version__}, TE {transformer_engine.__version__}"
+    print(f"{torch.cuda.get_device_name()}, {versions}")
+    print(f"MLP: {len(LAYERS)} x te.Linear({DIM}, {DIM}, bf16) + GELU, {TOKENS} tokens, AdamW,")
+    print(f"{STEPS} steps; compiled: forward + loss with inductor, fullgraph=True.\n")
     print(
-        f"{'recipe':<24}{'graphs':>7}  {'state inside compiled fn':<40}{'= eager':>8}{'linear = eager':>16}"
+        f"{'recipe':<22}{'graphs':>7}{'loss compiled':>15}{'loss eager':>12}"
+        f"{'max |diff|':>12}{'ms compiled':>13}{'ms eager':>10}"
     )
-    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    data = batches()
     for name, (make, _) in RECIPES.items():
-        if name == "default on Blackwell":
-            continue  # a CPU-trace row: on a real GPU the default is that GPU's
-        recipe = make()
-        torch._dynamo.reset()
-        backend = RecordingBackend()
-        step = step_fn(recipe)
+        side = "compiled"
         try:
-            compiled = torch.compile(step, backend=backend, fullgraph=True)
-            got = int(compiled(torch.zeros(1, device="cuda")).item())
-        except RuntimeError as e:
-            reason = re.search(r"cannot run on this GPU: ([^'\n]*)", str(e))
-            print(f"{name:<24}{'-':>7}  not supported here: {reason[1] if reason else e}")
+            loss_c, ms_c, graphs = train(make(), True, data)
+            side = "eager"
+            loss_e, ms_e, _ = train(make(), False, data)
+        except (RuntimeError, AssertionError) as e:  # TE's eager support checks assert
+            print(f"{name:<22}{side} run raises: {reason(e)}")
             continue
-        want = int(step(torch.zeros(1, device="cuda")).item())
-        same_linear = linear_between_compiled(recipe, x)
+        diff = (loss_c - loss_e).abs().max().item()
         print(
-            f"{name:<24}{len(backend.graphs):>7}  {describe(got):<40}{str(got == want):>8}{str(same_linear):>16}"
+            f"{name:<22}{graphs:>7}{loss_c[-1].item():>15.6f}{loss_e[-1].item():>12.6f}"
+            f"{diff:>12.3g}{ms_c:>13.2f}{ms_e:>10.2f}"
         )
-
-
-def linear_between_compiled(recipe, x) -> bool:
-    """A te.Linear run eagerly between two inductor-compiled regions equals all-eager."""
-
-    def run(pre, post):
-        torch.manual_seed(0)
-        linear = te.Linear(256, 256, params_dtype=torch.bfloat16)
-        FGS.reset()
-        with te.autocast(recipe=recipe):
-            return post(linear(pre(x)))
-
-    def pre(t):
-        return t * 3
-
-    def post(t):
-        return t.float() * 0.5
-
-    eager = run(pre, post)
-    compiled = run(torch.compile(pre, fullgraph=True), torch.compile(post, fullgraph=True))
-    return torch.equal(eager, compiled)
+    print(
+        f"\nmax |diff|: compiled vs eager loss over all {STEPS} steps (inductor fuses GELU and the\n"
+        "loss, so last-bit differences can appear and grow). ms: median step time (forward,\n"
+        f"backward, optimizer) of steps 2-{STEPS}."
+    )
 
 
 if __name__ == "__main__":

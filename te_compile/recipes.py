@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
-KINDS = ("none", "current", "block")
+KINDS = ("none", "current", "block", "delayed")
 _FP8_DTYPES = ("e4m3", "e5m2")
 
 # TE's split-accumulator defaults when the recipe has no fp8_gemm_* fields (module/base.py).
@@ -47,6 +47,11 @@ class QuantConfig:
     @property
     def fp8(self) -> bool:
         return self.kind != "none"
+
+    @property
+    def per_tensor(self) -> bool:
+        """One scale per tensor (Float8TensorStorage operands)."""
+        return self.kind in ("current", "delayed")
 
     def op_args(self) -> tuple:
         """The config as plain op arguments. Custom-op schemas have no list of strings, so the
@@ -106,11 +111,23 @@ def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float
 def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
     """The config te.Linear uses for `recipe` (None: no FP8). Only the recipe kinds in `KINDS`
     are handled here; the caller rejects the others first."""
-    from transformer_engine.common.recipe import Float8BlockScaling, Float8CurrentScaling
+    from transformer_engine.common.recipe import (
+        DelayedScaling,
+        Float8BlockScaling,
+        Float8CurrentScaling,
+    )
 
     if recipe is None:
         return QuantConfig()
     fwd, bwd = _dtype_name(recipe, True), _dtype_name(recipe, False)
+    if isinstance(recipe, DelayedScaling):
+        # Scales and amax histories are tensors (TE's fp8_meta), passed to the ops separately.
+        return QuantConfig(
+            kind="delayed",
+            dtypes=(fwd, fwd, bwd),
+            split_acc=_split_acc(recipe),
+            fp8_transpose=fp8_transpose,
+        )
     pow2, eps = _qparams(recipe)
     if isinstance(recipe, Float8CurrentScaling):
         # Linear overrides the recipe-state quantizers with the fp8_quant_* params
@@ -138,3 +155,44 @@ def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
             fp8_transpose=fp8_transpose,
         )
     raise TypeError(f"no QuantConfig for {type(recipe).__name__}")
+
+
+@dataclass(frozen=True)
+class DelayedFields:
+    """The DelayedScaling fields that decide TE's fp8_meta state and its update, as plain
+    values (equal recipes give equal fields, so a fresh recipe object does not recompile)."""
+
+    margin: int
+    fp8_format: str  # a Format member name
+    amax_history_len: int
+    amax_compute_algo: str
+    reduce_amax: bool
+    fp8_dpa: bool
+    fp8_mha: bool
+
+    @staticmethod
+    def values_of(recipe) -> tuple:
+        """The fields in declaration order, as a tuple: traced code builds no dataclass."""
+        return (
+            recipe.margin,
+            recipe.fp8_format.name,
+            recipe.amax_history_len,
+            recipe.amax_compute_algo,
+            recipe.reduce_amax,
+            recipe.fp8_dpa,
+            recipe.fp8_mha,
+        )
+
+    def recipe(self):
+        """An equal DelayedScaling (same repr, so the same TE global-buffer key)."""
+        from transformer_engine.common.recipe import DelayedScaling, Format
+
+        return DelayedScaling(
+            margin=self.margin,
+            fp8_format=Format[self.fp8_format],
+            amax_history_len=self.amax_history_len,
+            amax_compute_algo=self.amax_compute_algo,
+            reduce_amax=self.reduce_amax,
+            fp8_dpa=self.fp8_dpa,
+            fp8_mha=self.fp8_mha,
+        )

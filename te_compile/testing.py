@@ -72,7 +72,108 @@ class RecordingBackend:
         return gm.forward
 
     def targets(self) -> list[str]:
-        """Names of every call_function target in every graph."""
-        return [
-            str(n.target) for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"
-        ]
+        """Names of every call_function target in every graph (see `op_targets`)."""
+        return op_targets(self.graphs)
+
+
+def op_targets(graphs) -> list[str]:
+    """Names of every call_function target in `graphs`. A mutating op that functionalization
+    wrapped (`auto_functionalized`) is listed under the name of the op it wraps."""
+    names = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                wrapped = "auto_functionalized" in str(node.target)
+                names.append(str(node.args[0] if wrapped else node.target))
+    return names
+
+
+@contextlib.contextmanager
+def cuda_reported_available():
+    """Within the block torch.cuda.is_available() answers True, so TE constructs modules without
+    a GPU (build them on device="meta"). Leave the block before compiling: dynamo's metrics
+    touch the driver when it answers True."""
+    saved = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        yield
+    finally:
+        torch.cuda.is_available = saved
+
+
+@contextlib.contextmanager
+def fake_cuda():
+    """A FakeTensorMode in which `torch.empty(..., device="cuda")` works without a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        yield mode
+
+
+@contextlib.contextmanager
+def meta_accepted():
+    """The compiled te.Linear path accepts meta tensors within the block. Backward traces
+    (AOTAutograd) need them: the autograd engine asks the CUDA driver about fake CUDA tensors."""
+    from te_compile.modules import linear
+
+    saved = linear.DEVICE_TYPES
+    linear.DEVICE_TYPES = (*saved, "meta")
+    try:
+        yield
+    finally:
+        linear.DEVICE_TYPES = saved
+
+
+def build_without_gpu(make, device: str) -> torch.nn.Module:
+    """`make()` builds a module of TE modules on device="meta"; its parameters are then replaced
+    by uninitialised `device` tensors of the same shape and dtype ("cuda" inside fake_cuda(),
+    or "meta" inside meta_accepted())."""
+    with cuda_reported_available():
+        module = make()
+    for owner in module.modules():
+        for name, p in list(owner.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, device=device, dtype=p.dtype)
+            setattr(owner, name, torch.nn.Parameter(empty, requires_grad=p.requires_grad))
+    return module
+
+
+class JointRecorder:
+    """AOTAutograd with forward and backward compilers that keep their graphs and run them."""
+
+    def __init__(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+
+        self.fw, self.bw = [], []
+
+        def keep(graphs):
+            def compiler(gm, example_inputs):
+                graphs.append(gm)
+                return make_boxed_func(gm.forward)
+
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))
+
+    @staticmethod
+    def targets(graphs) -> list[str]:
+        return op_targets(graphs)
+
+
+@contextlib.contextmanager
+def recipe_state_on(device: str):
+    """TE allocates recipe state (DelayedScaling scales, amax histories) on "cuda"; within the
+    block it allocates on `device` instead ("meta" for backward traces without a GPU)."""
+    from transformer_engine.pytorch.quantization import RecipeState
+
+    original = vars(RecipeState)["create"]
+
+    def create(recipe, *, device=None, **kwargs):
+        return original.__func__(recipe, device=torch.device(device_name), **kwargs)
+
+    device_name = device
+    RecipeState.create = staticmethod(create)
+    try:
+        yield
+    finally:
+        RecipeState.create = original

@@ -6,9 +6,9 @@ implement, and calls `te_compile::linear_fwd`, whose autograd formula calls
 `te_compile::linear_bwd`. It never calls TE's `prepare_forward` (which allocates and queries
 the driver) and writes no module state, so a traced step is replayable as is.
 
-Recipes: none (bf16/fp16/fp32), Float8CurrentScaling and Float8BlockScaling. DelayedScaling
-keeps per-module amax/scale state that TE allocates in `prepare_forward`; the compiled path
-does not handle it yet and says so.
+Recipes: none (bf16/fp16/fp32), Float8CurrentScaling, Float8BlockScaling and DelayedScaling.
+DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`, created once at trace
+time (fp8_state.py) and mutated in place by the ops.
 """
 
 from __future__ import annotations
@@ -95,15 +95,13 @@ def _is_quantized(t) -> bool:
 def _quant_config(recipe) -> QuantConfig:
     from transformer_engine.common import recipe as R
 
-    if isinstance(recipe, R.DelayedScaling):
-        raise _unsupported(
-            "DelayedScaling", "use Float8CurrentScaling or Float8BlockScaling under compile"
-        )
-    if not isinstance(recipe, (R.Float8CurrentScaling, R.Float8BlockScaling)):
+    if not isinstance(recipe, (R.DelayedScaling, R.Float8CurrentScaling, R.Float8BlockScaling)):
         raise _unsupported(
             f"the {type(recipe).__name__} recipe",
-            "use Float8CurrentScaling or Float8BlockScaling under compile",
+            "use DelayedScaling, Float8CurrentScaling or Float8BlockScaling under compile",
         )
+    if isinstance(recipe, R.DelayedScaling):
+        _check_delayed(recipe)
     if recipe.backward_override is not None:
         raise _unsupported(
             f"backward_override={recipe.backward_override!r}",
@@ -121,6 +119,50 @@ def _fp8_transpose_layout() -> bool:
 
     cc = utils.get_device_compute_capability()
     return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
+
+
+def _check_delayed(recipe) -> None:
+    if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+        raise _unsupported(
+            "a DelayedScaling with a callable amax_compute_algo or scaling_factor_compute_algo",
+            "use amax_compute_algo='max' or 'most_recent' and no scaling_factor_compute_algo",
+        )
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    group = state.get_fp8_group()
+    if group is not None and recipe.reduce_amax:
+        raise _unsupported(
+            "DelayedScaling amax reduction over te.autocast(amax_reduction_group=...)",
+            "set reduce_amax=False",
+        )
+
+
+def _delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list, str]:
+    """TE's fp8_meta tensors for the ops, created once at trace time (see fp8_state.py), and
+    the backward update this module runs at the end of its backward."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    from ..ops.linear import make_update
+    from ..recipes import DelayedFields
+    from .fp8_state import ensure_delayed_state
+
+    ensure_delayed_state(id(m), DelayedFields.values_of(recipe), 1)
+    fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
+    update = ""
+    # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
+    # backward update of every registered state; each compiled module updates its own state at
+    # the end of its backward instead. The flag is still consumed, as TE consumes it.
+    if grad_needed:
+        state.is_first_fp8_module()
+        update = make_update(recipe.amax_compute_algo, recipe.margin, not _unfused_update())
+    return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history], update
+
+
+@torch.compiler.assume_constant_result
+def _unfused_update() -> bool:
+    import os
+
+    return bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0")))
 
 
 def _activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
@@ -167,7 +209,8 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     if state.is_fp8_calibration():
         raise _unsupported("te.autocast(calibrating=True)", "calibrate eagerly")
     _check_module(self, is_first_microbatch, fp8_output, fp8_grad, fp8)
-    cfg = _quant_config(state.get_fp8_recipe()) if fp8 else QuantConfig()
+    recipe = state.get_fp8_recipe() if fp8 else None
+    cfg = _quant_config(recipe) if fp8 else QuantConfig()
 
     weight = getattr(self, self.weight_names[0])
     bias = getattr(self, self.bias_names[0]) if self.use_bias else None
@@ -180,9 +223,29 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     # What backward reads, decided as eager TE decides it (from requires_grad at forward).
     save_input = grad and weight.requires_grad
     save_weight = grad and inp.requires_grad
-    out = torch.ops.te_compile.linear_fwd(
-        inp, weight, fused_bias, act_dtype, save_input, save_weight, *cfg.op_args()
-    )[0]
+    grad_needed = grad and (
+        inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    fwd_state, bwd_state, bwd_update = [], [], ""
+    if cfg.kind == "delayed":
+        fwd_state, bwd_state, bwd_update = _delayed_state(self, recipe, grad_needed)
+    elif fp8 and grad_needed:
+        state.is_first_fp8_module()  # consumed as eager TE consumes it (no state to update)
+    outputs = torch.ops.te_compile.linear_fwd(
+        inp,
+        weight,
+        fused_bias,
+        act_dtype,
+        save_input,
+        save_weight,
+        fwd_state,
+        bwd_state,
+        bwd_update,
+        *cfg.op_args(),
+    )
+    out = outputs[0]
+    if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)
+        fwd_state[1].copy_(outputs[-1])
     if self.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
         out = out + bias.to(act_dtype)
     if self.return_bias:

@@ -19,10 +19,7 @@ def _te_dtype(fp8_dtype: str):
     return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[fp8_dtype]
 
 
-@torch.library.custom_op(
-    "te_compile::amax_and_scale_update", mutates_args=("amax_histories", "scales")
-)
-def amax_and_scale_update(
+def update_amax_and_scale(
     amax_histories: list[torch.Tensor],
     scales: list[torch.Tensor],
     amax_compute_algo: str,
@@ -34,6 +31,8 @@ def amax_and_scale_update(
 
     The most recent amaxes are row 0 of each history, as TE's kernels leave them. `fused` picks
     TE's fused CUDA kernel (the default) or its Python fallback (`NVTE_UNFUSED_FP8_UPDATE=1`).
+    Without a cross-rank reduction each (history, scale) pair updates independently, so one
+    call over many pairs equals one call per pair.
     """
     if fp8_dtype not in _FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {_FP8_DTYPES}, got {fp8_dtype!r}")
@@ -55,6 +54,21 @@ def amax_and_scale_update(
     fmt = Format.E4M3 if fp8_dtype == "e4m3" else Format.E5M2
     for history, scale in zip(amax_histories, scales, strict=True):
         q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
+
+
+@torch.library.custom_op(
+    "te_compile::amax_and_scale_update", mutates_args=("amax_histories", "scales")
+)
+def amax_and_scale_update(
+    amax_histories: list[torch.Tensor],
+    scales: list[torch.Tensor],
+    amax_compute_algo: str,
+    fp8_dtype: str,
+    margin: float,
+    fused: bool,
+) -> None:
+    """`update_amax_and_scale` as an op (see there)."""
+    update_amax_and_scale(amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused)
 
 
 @amax_and_scale_update.register_fake

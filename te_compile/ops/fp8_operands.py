@@ -3,7 +3,7 @@ quantized operand's column-wise half (what backward GEMMs read) taken apart and 
 together across op boundaries.
 
 Column-wise parts, per config kind:
-- "current" (per-tensor): [data, scale_inv]. `data` is TE's separate transpose
+- "current" and "delayed" (per-tensor): [data, scale_inv]. `data` is TE's separate transpose
   (uint8 [last, *leading]) when `cfg.fp8_transpose`, else the row-major data itself (GPUs
   with non-TN FP8 GEMMs read it directly). scale_inv is float32 [1].
 - "block": [columnwise_data, columnwise_scale_inv]: uint8 [last, *leading] and float32 of
@@ -25,10 +25,38 @@ def _te_dtype(name: str):
     return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[name]
 
 
-def make_quantizer(cfg: QuantConfig, role: str, *, rowwise: bool, columnwise: bool):
-    """The quantizer te.Linear uses for `role`, configured as eager TE configures it."""
+# DelayedScaling slots in TE's fp8_meta: forward [input, weight, output], backward
+# [grad_output, grad_input] (csrc/common.h); the role picks its slot in its direction's state.
+DELAYED_SLOT = {"input": 0, "weight": 1, "grad": 0}
+
+
+def make_quantizer(
+    cfg: QuantConfig,
+    role: str,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    state: list[torch.Tensor] | None = None,
+):
+    """The quantizer te.Linear uses for `role`, configured as eager TE configures it.
+    DelayedScaling needs `state` = [scale, amax] of the role's direction, both 1-D over TE's
+    slots: the quantizer reads its scale and max-accumulates its amax in place."""
     i = ROLES.index(role)
-    if cfg.kind == "current":
+    if cfg.kind == "delayed":
+        from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+        if state is None or len(state) != 2:
+            raise ValueError("DelayedScaling quantizers need state=[scale, amax]")
+        scale, amax = state
+        slot = DELAYED_SLOT[role]
+        q = Float8Quantizer(
+            scale[slot],
+            amax[slot].reshape((1,)),
+            _te_dtype(cfg.dtypes[i]),
+            rowwise=rowwise,
+            columnwise=columnwise,
+        )
+    elif cfg.kind == "current":
         from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
         q = Float8CurrentScalingQuantizer(
@@ -65,7 +93,7 @@ def _block_quantizer(cfg: QuantConfig, i: int, *, rowwise: bool, columnwise: boo
 
 def columnwise_parts(storage, cfg: QuantConfig) -> list[torch.Tensor]:
     """The column-wise data and scales of a quantized operand, as plain tensors."""
-    if cfg.kind == "current":
+    if cfg.per_tensor:
         data = storage._transpose if cfg.fp8_transpose else storage._data
         if data is None:
             raise RuntimeError(
@@ -83,7 +111,7 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
     """A TE storage holding only the column-wise half, ready for `general_gemm`."""
     i = ROLES.index(role)
     data, scale_inv = parts
-    if cfg.kind == "current":
+    if cfg.per_tensor:
         from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
             Float8TensorStorage,
         )
@@ -123,7 +151,7 @@ def _transposed(shape) -> list:
 def fake_columnwise_parts(shape, cfg: QuantConfig, role: str, like: torch.Tensor) -> list:
     """Empty tensors shaped like `columnwise_parts` of a `shape` operand (fake kernels)."""
     shape = list(shape)
-    if cfg.kind == "current":
+    if cfg.per_tensor:
         data_shape = _transposed(shape) if cfg.fp8_transpose else shape
         return [
             like.new_empty(data_shape, dtype=torch.uint8),

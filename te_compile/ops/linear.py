@@ -1,12 +1,18 @@
 """te.Linear's forward and backward as custom ops running TE's own kernels.
 
-    te_compile::linear_fwd(inp, weight, bias?, out_dtype, save_input, save_weight, *quant)
-        -> [out, *input_parts, *weight_parts]
+    te_compile::linear_fwd(inp, weight, bias?, out_dtype, save_input, save_weight,
+                           fwd_state, bwd_state, bwd_update, *quant)
+        -> [out, *input_parts, *weight_parts] (+ [fwd_amax] with DelayedScaling)
     te_compile::linear_bwd(grad_out, inp?, weight?, bias?, has_bias, input_parts, weight_parts,
-                           out_dtype, in_features, needs_dgrad, needs_wgrad, *quant)
-        -> [dgrad if needs_dgrad] + [wgrad if needs_wgrad] + [dbias if computed]
+                           bwd_scale!?, bwd_history!?, bwd_update, out_dtype, in_features, needs_dgrad,
+                           needs_wgrad, *quant)
+        -> (dgrad, wgrad, dbias), each empty ([0]) when not computed (a mutating op may not
+           return a list)
 
-`*quant` is `QuantConfig.op_args()`. With FP8, forward also returns what backward needs as
+`*quant` is `QuantConfig.op_args()`; `!` marks state mutated in place (DelayedScaling's
+TE-owned scale and amax-history tensors; empty lists for other recipes). linear_fwd carries an
+autograd formula, so it may not mutate: it returns the new forward amaxes for the caller to
+write back. With FP8, forward also returns what backward needs as
 plain tensors (the column-wise half of the quantized input, when wgrad is needed, and of the
 quantized weight, when dgrad is needed; see fp8_operands.py), exactly the halves eager TE keeps.
 Without FP8, the saved tensors are the op's own inputs. The GEMM calls pass the arguments
@@ -18,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..recipes import QuantConfig
+from .delayed_scaling import update_amax_and_scale
 from .fp8_operands import (
     columnwise_count,
     columnwise_parts,
@@ -48,6 +55,9 @@ def linear_fwd(
     out_dtype: torch.dtype,
     save_input: bool,
     save_weight: bool,
+    fwd_state: list[torch.Tensor],
+    bwd_state: list[torch.Tensor],
+    bwd_update: str,
     kind: str,
     dtypes: str,
     pow2: list[bool],
@@ -56,7 +66,14 @@ def linear_fwd(
     split_acc: list[bool],
     fp8_transpose: bool,
 ) -> list[torch.Tensor]:
-    """y = inp @ weight.T + bias, with FP8 operands when `kind` is not "none"."""
+    """y = inp @ weight.T + bias, with FP8 operands when `kind` is not "none".
+
+    DelayedScaling only: `fwd_state` = [scale, latest amaxes] (TE's `scale` and
+    `amax_history[0]` of the forward slots); the op quantizes with those scales, max-accumulates
+    into a copy of the amaxes and returns it last, for the caller to write back into the
+    history. `bwd_state` = [scale, amax_history] of the backward slots, unused here but handed to
+    the backward op, which mutates it and runs the backward amax/scale update described by
+    `bwd_update` ("" for none, else "algo,margin,fused"; see `parse_update`)."""
     cfg = QuantConfig.from_op_args(
         kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose
     )
@@ -70,8 +87,9 @@ def linear_fwd(
         )
         return [out]
     # Column-wise halves are produced only when backward will read them, as in eager TE.
-    x = make_quantizer(cfg, "input", rowwise=True, columnwise=save_input)(inp)
-    w = make_quantizer(cfg, "weight", rowwise=True, columnwise=save_weight)(weight)
+    state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
+    x = make_quantizer(cfg, "input", rowwise=True, columnwise=save_input, state=state)(inp)
+    w = make_quantizer(cfg, "weight", rowwise=True, columnwise=save_weight, state=state)(weight)
     # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
     bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
     out, *_ = _gemm(
@@ -87,11 +105,13 @@ def linear_fwd(
         saved += columnwise_parts(x, cfg)
     if save_weight:
         saved += columnwise_parts(w, cfg)
-    return [out, *saved]
+    return [out, *saved, *([state[1]] if state else [])]
 
 
 @linear_fwd.register_fake
-def _(inp, weight, bias, out_dtype, save_input, save_weight, *quant):
+def _(
+    inp, weight, bias, out_dtype, save_input, save_weight, fwd_state, bwd_state, bwd_update, *quant
+):
     cfg = QuantConfig.from_op_args(*quant)
     out = inp.new_empty([*inp.shape[:-1], weight.shape[0]], dtype=out_dtype)
     saved = []
@@ -99,6 +119,8 @@ def _(inp, weight, bias, out_dtype, save_input, save_weight, *quant):
         saved += fake_columnwise_parts(inp.shape, cfg, "input", inp)
     if cfg.fp8 and save_weight:
         saved += fake_columnwise_parts(weight.shape, cfg, "weight", inp)
+    if fwd_state:
+        saved.append(torch.empty_like(fwd_state[1]))
     return [out, *saved]
 
 
@@ -110,7 +132,18 @@ def _returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
     return has_bias and (cfg.fp8 or needs_wgrad)
 
 
-@torch.library.custom_op("te_compile::linear_bwd", mutates_args=())
+def make_update(amax_compute_algo: str, margin: float, fused: bool) -> str:
+    """The backward amax/scale update spec `linear_fwd` carries to `linear_bwd` (plain string:
+    op schemas have no records)."""
+    return f"{amax_compute_algo},{float(margin)!r},{int(fused)}"
+
+
+def parse_update(spec: str) -> tuple[str, float, bool]:
+    algo, margin, fused = spec.split(",")
+    return algo, float(margin), bool(int(fused))
+
+
+@torch.library.custom_op("te_compile::linear_bwd", mutates_args=("bwd_scale", "bwd_history"))
 def linear_bwd(
     grad_out: torch.Tensor,
     inp: torch.Tensor | None,
@@ -119,6 +152,9 @@ def linear_bwd(
     has_bias: bool,
     input_parts: list[torch.Tensor],
     weight_parts: list[torch.Tensor],
+    bwd_scale: torch.Tensor | None,
+    bwd_history: torch.Tensor | None,
+    bwd_update: str,
     out_dtype: torch.dtype,
     in_features: int,
     needs_dgrad: bool,
@@ -130,7 +166,7 @@ def linear_bwd(
     block_dims: list[int],
     split_acc: list[bool],
     fp8_transpose: bool,
-) -> list[torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
     bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
     carry the operands."""
@@ -140,7 +176,9 @@ def linear_bwd(
     in_shape = [*grad_out.shape[:-1], in_features]
     g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
     if cfg.fp8:
-        g, dbias = _quantize_grad_output(g, cfg, has_bias, needs_wgrad)
+        # DelayedScaling: the latest amaxes are row 0 of the history
+        state = [bwd_scale, bwd_history[0]] if bwd_history is not None else None
+        g, dbias = _quantize_grad_output(g, cfg, has_bias, needs_wgrad, state)
         w = columnwise_storage(weight_parts, cfg, "weight", out_dtype) if needs_dgrad else None
         x = columnwise_storage(input_parts, cfg, "input", out_dtype) if needs_wgrad else None
         wgrad_bias = None
@@ -148,7 +186,11 @@ def linear_bwd(
         dbias = None
         w, x = _cast(weight, out_dtype), _cast(inp, out_dtype)
         wgrad_bias = _cast(bias, out_dtype)  # with grad=True only a flag: dbias comes back
-    grads = []
+
+    def none():  # a result not asked for (outputs of one op may not alias each other)
+        return grad_out.new_empty([0], dtype=out_dtype)
+
+    dgrad, wgrad = none(), none()
     if needs_dgrad:
         dgrad, *_ = _gemm(
             w,
@@ -158,7 +200,7 @@ def linear_bwd(
             out_dtype=out_dtype,
             use_split_accumulator=cfg.split_acc[1],
         )
-        grads.append(dgrad.view(in_shape))
+        dgrad = dgrad.view(in_shape)
     if needs_wgrad:
         wgrad, gemm_dbias, *_ = _gemm(
             x,
@@ -169,18 +211,23 @@ def linear_bwd(
             bias=wgrad_bias,
             use_split_accumulator=cfg.split_acc[2],
         )
-        grads.append(wgrad)
         if dbias is None:
             dbias = gemm_dbias
-    if _returns_dbias(cfg, has_bias, needs_wgrad):
-        grads.append(dbias)
-    return grads
+    if not _returns_dbias(cfg, has_bias, needs_wgrad):
+        dbias = none()
+    if bwd_update:
+        # Eager TE updates every registered backward state once, at the end of the first FP8
+        # module's backward; per (history, scale) pair that is this update at the end of the
+        # module's own backward (see docs/architecture.md for when the two differ).
+        algo, margin, fused = parse_update(bwd_update)
+        update_amax_and_scale([bwd_history], [bwd_scale], algo, cfg.dtypes[2], margin, fused)
+    return dgrad, wgrad, dbias
 
 
-def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool):
+def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state):
     """grad_output quantization as TE's grad_output_preprocess does it: both halves (dgrad
     reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
-    q = make_quantizer(cfg, "grad", rowwise=True, columnwise=has_bias or needs_wgrad)
+    q = make_quantizer(cfg, "grad", rowwise=True, columnwise=has_bias or needs_wgrad, state=state)
     if not has_bias:
         return q(g), None
     if cfg.kind == "block":  # TE runs dbias unfused for block scaling
@@ -200,6 +247,9 @@ def _(
     has_bias,
     input_parts,
     weight_parts,
+    bwd_scale,
+    bwd_history,
+    bwd_update,
     out_dtype,
     in_features,
     needs_dgrad,
@@ -208,29 +258,38 @@ def _(
 ):
     cfg = QuantConfig.from_op_args(*quant)
     out_features = grad_out.shape[-1]
-    grads = []
-    if needs_dgrad:
-        grads.append(grad_out.new_empty([*grad_out.shape[:-1], in_features], dtype=out_dtype))
-    if needs_wgrad:
-        grads.append(grad_out.new_empty([out_features, in_features], dtype=out_dtype))
-    if _returns_dbias(cfg, has_bias, needs_wgrad):
-        grads.append(grad_out.new_empty([out_features], dtype=out_dtype))
-    return grads
+
+    def empty(shape, wanted: bool):
+        return grad_out.new_empty(shape if wanted else [0], dtype=out_dtype)
+
+    return (
+        empty([*grad_out.shape[:-1], in_features], needs_dgrad),
+        empty([out_features, in_features], needs_wgrad),
+        empty([out_features], _returns_dbias(cfg, has_bias, needs_wgrad)),
+    )
 
 
 # ---- autograd ----------------------------------------------------------------------------------
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    inp, weight, bias, out_dtype, save_input, save_weight, *quant = inputs
+    inp, weight, bias, out_dtype, save_input, save_weight, fwd_state, bwd_state, bwd_update = (
+        inputs[:9]
+    )
+    quant = inputs[9:]
     cfg = QuantConfig.from_op_args(*quant)
     ctx.quant = quant
+    ctx.n_fwd_state = len(fwd_state)
+    # Mutable state rides on ctx, not save_for_backward: backward mutates it in place, which
+    # the saved-tensor version check would reject.
+    ctx.bwd_state = bwd_state
+    ctx.bwd_update = bwd_update
     ctx.out_dtype = out_dtype
     ctx.in_features = weight.shape[1]
     ctx.has_bias = bias is not None
     ctx.n_input_parts = columnwise_count(cfg) if save_input else 0
-    saved = output[1:]
-    ctx.mark_non_differentiable(*saved)
+    ctx.mark_non_differentiable(*output[1:])
+    saved = output[1 : len(output) - (1 if fwd_state else 0)]  # not the returned amaxes
     if cfg.fp8:
         ctx.save_for_backward(None, None, None, *saved)
     else:
@@ -242,10 +301,23 @@ def _setup_context(ctx, inputs, output) -> None:
         )
 
 
+def _no_grads(ctx) -> tuple:
+    """None for every input after (inp, weight, bias); tensor-list inputs get lists of None."""
+    return (
+        None,  # out_dtype
+        None,  # save_input
+        None,  # save_weight
+        [None] * ctx.n_fwd_state,
+        [None] * len(ctx.bwd_state),
+        None,  # bwd_update
+        *[None] * len(ctx.quant),
+    )
+
+
 def _backward(ctx, grads):
     needs_dgrad, needs_wgrad, needs_dbias = ctx.needs_input_grad[:3]
     grad_out = grads[0]
-    nones = [None] * (len(ctx.needs_input_grad) - 3)
+    nones = _no_grads(ctx)
     if grad_out is None or not (needs_dgrad or needs_wgrad or needs_dbias):
         return None, None, None, *nones
     inp, weight, bias, *parts = ctx.saved_tensors
@@ -258,16 +330,19 @@ def _backward(ctx, grads):
         ctx.has_bias,
         parts[:n],
         parts[n:],
+        *(ctx.bwd_state or [None, None]),
+        ctx.bwd_update,
         ctx.out_dtype,
         ctx.in_features,
         needs_dgrad,
         needs_wgrad,
         *ctx.quant,
     )
-    it = iter(result)
-    dgrad = next(it) if needs_dgrad else None
-    wgrad = next(it) if needs_wgrad else None
-    dbias = next(it, None) if ctx.has_bias else None
+    dgrad, wgrad, dbias = result
+    dgrad = dgrad if needs_dgrad else None
+    wgrad = wgrad if needs_wgrad else None
+    cfg = QuantConfig.from_op_args(*ctx.quant)
+    dbias = dbias if _returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None
     return dgrad, wgrad, dbias if needs_dbias else None, *nones
 
 

@@ -16,6 +16,7 @@ from conftest import compile_fullgraph, recipe_instances
 from transformer_engine.common import recipe as R
 
 import te_compile.modules.linear as module_linear
+from te_compile.testing import JointRecorder
 
 FWD, BWD = "te_compile.linear_fwd", "te_compile.linear_bwd"
 RECIPES = ["none", "current", "block"]
@@ -55,29 +56,6 @@ def input_of(shape, device, requires_grad, dtype=torch.bfloat16):
 SHAPES = {"2d": (32, IN), "3d": (4, 8, IN)}
 
 
-class JointRecorder:
-    """AOTAutograd with recording forward and backward compilers (graphs run as traced)."""
-
-    def __init__(self):
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-
-        self.fw, self.bw = [], []
-
-        def keep(graphs):
-            def compiler(gm, example_inputs):
-                graphs.append(gm)
-                return make_boxed_func(gm.forward)
-
-            return compiler
-
-        self.backend = aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))
-
-    @staticmethod
-    def targets(graphs) -> list[str]:
-        return [str(n.target) for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
-
-
 # ---- forward, fake CUDA ------------------------------------------------------------------------
 
 
@@ -106,7 +84,7 @@ def test_forward_one_graph(
     targets = backend.targets()
     assert targets.count(FWD) == 1, targets
     node = next(n for n in backend.graphs[0].graph.nodes if str(n.target) == FWD)
-    assert node.args[6] == name  # the flattened recipe kind
+    assert node.args[9] == name  # the flattened recipe kind
 
 
 def test_no_grad_saves_nothing(patched, fake_gpu, fake_cuda, backend, monkeypatch):
@@ -248,7 +226,6 @@ def test_unsupported_call_options_are_named(
 @pytest.mark.parametrize(
     "name,generation,option",
     [
-        ("delayed", "hopper", "DelayedScaling"),
         ("mxfp8", "blackwell", "MXFP8BlockScaling recipe"),
         ("nvfp4", "blackwell", "NVFP4BlockScaling recipe"),
         ("custom", "hopper", "CustomRecipe recipe"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 from conftest import recipe_instances
+from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 pytestmark = pytest.mark.gpu
@@ -32,11 +33,16 @@ class InductorRecorder:
 
 
 def supported(name: str) -> tuple[bool, str]:
-    check = {"current": q.check_fp8_support, "block": q.check_fp8_block_scaling_support}[name]
+    check = {
+        "current": q.check_fp8_support,
+        "delayed": q.check_fp8_support,
+        "block": q.check_fp8_block_scaling_support,
+    }[name]
     return check()
 
 
-RECIPES = ["none", "current", "block"]
+RECIPES = ["none", "current", "block", "delayed"]
+FGS = q.FP8GlobalStateManager
 IN, OUT = 128, 256
 SHAPES = {"2d": (64, IN), "3d": (4, 32, IN)}
 
@@ -72,6 +78,7 @@ def forward_fn(linear, recipe, torch_amp=None):
 def run(name, bias, shape, dtype, compiled, input_requires_grad=True, torch_amp=None):
     """Forward + backward on a fresh module; returns out and every gradient."""
     torch._dynamo.reset()
+    FGS.reset()
     linear = fresh_linear(bias, dtype)
     torch.manual_seed(1)
     x = torch.randn(SHAPES[shape], device="cuda", dtype=dtype).requires_grad_(input_requires_grad)
@@ -139,7 +146,7 @@ def test_input_without_grad_matches_eager(name, patched):
     )
 
 
-@pytest.mark.parametrize("name", ["current", "block"])
+@pytest.mark.parametrize("name", ["current", "block", "delayed"])
 def test_fp8_really_ran(name, patched):
     skip_unless_supported(name)
     out_fp8, _ = run(name, True, "2d", torch.bfloat16, compiled=True)
@@ -174,7 +181,12 @@ def _fwd_args(name, bias=True):
     x = torch.randn(64, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = torch.randn(OUT, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     b = torch.randn(OUT, device="cuda", dtype=torch.bfloat16, requires_grad=True) if bias else None
-    return (x, w, b, torch.bfloat16, True, True, *_quant(name))
+    fwd_state, bwd_state, update = [], [], ""
+    if name == "delayed":  # TE's initial DelayedScaling state, with some amax history
+        fwd_state = [torch.ones(3, device="cuda"), torch.rand(3, device="cuda")]
+        bwd_state = [torch.ones(2, device="cuda"), torch.rand(4, 2, device="cuda")]
+        update = "max,0.0,1"
+    return (x, w, b, torch.bfloat16, True, True, fwd_state, bwd_state, update, *_quant(name))
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -206,7 +218,10 @@ def test_linear_bwd_opcheck(name, bias):
         out, *parts = torch.ops.te_compile.linear_fwd(*args)
     grad = torch.randn_like(out)
     fp8 = name != "none"
+    if name == "delayed":
+        parts = parts[:-1]  # the returned forward amaxes
     n = len(parts) // 2
+    scale, history = args[7] or [None, None]
     bwd_args = (
         grad,
         None if fp8 else x.detach(),
@@ -215,6 +230,9 @@ def test_linear_bwd_opcheck(name, bias):
         b is not None,
         parts[:n],
         parts[n:],
+        scale,
+        history,
+        args[8],
         torch.bfloat16,
         IN,
         True,
@@ -222,3 +240,82 @@ def test_linear_bwd_opcheck(name, bias):
         *_quant(name),
     )
     torch.library.opcheck(torch.ops.te_compile.linear_bwd.default, bwd_args)
+
+
+# ---- DelayedScaling over training steps, nested recipes ----------------------------------------
+
+
+def delayed_training(compiled: bool, steps: int = 10):
+    """SGD steps of one te.Linear under DelayedScaling; per step: output, dgrad, TE's forward
+    and backward amax history and scale, and the updated weight."""
+    torch._dynamo.reset()
+    FGS.reset()
+    linear = fresh_linear(True, torch.bfloat16)
+    opt = torch.optim.SGD(linear.parameters(), lr=0.1)
+    fn = forward_fn(linear, R.DelayedScaling(amax_history_len=4))
+    backend = InductorRecorder()
+    if compiled:
+        fn = torch.compile(fn, backend=backend, fullgraph=True)
+    torch.manual_seed(2)
+    record = []
+    for _ in range(steps):
+        x = torch.randn(64, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = fn(x)
+        out.backward(torch.randn_like(out))
+        opt.step()
+        opt.zero_grad()
+        fwd, bwd = linear.fp8_meta["scaling_fwd"], linear.fp8_meta["scaling_bwd"]
+        state = (fwd.amax_history, fwd.scale, bwd.amax_history, bwd.scale, linear.weight)
+        record.append([out.detach(), x.grad] + [t.detach().clone() for t in state])
+    return record, backend.graphs
+
+
+def test_delayed_ten_steps_match_eager(patched):
+    skip_unless_supported("delayed")
+    got, graphs = delayed_training(compiled=True)
+    want, _ = delayed_training(compiled=False)
+    labels = ("out", "dgrad", "fwd amax_history", "fwd scale", "bwd amax_history", "bwd scale")
+    for step, (g, w) in enumerate(zip(got, want, strict=True)):
+        for label, a, b in zip((*labels, "weight"), g, w, strict=True):
+            assert torch.equal(a, b), f"step {step}: {label} differs"
+    assert graphs == 1, "recompiled during the 10 steps"
+    assert not torch.equal(got[-1][3], torch.ones_like(got[-1][3])), "scales never updated"
+
+
+def test_nested_recipes_per_layer_match_eager(patched):
+    """Outer DelayedScaling, inner Float8CurrentScaling, innermost disabled: each layer uses
+    its own recipe forward and backward, compiled as one graph, equal to eager TE."""
+    skip_unless_supported("delayed")
+    delayed, current = R.DelayedScaling(amax_history_len=4), R.Float8CurrentScaling()
+
+    def run_nested(compiled: bool):
+        torch._dynamo.reset()
+        FGS.reset()
+        torch.manual_seed(0)
+        layers = [te.Linear(IN, IN, params_dtype=torch.bfloat16) for _ in range(3)]
+
+        def fn(x):
+            with te.autocast(recipe=delayed):
+                h = layers[0](x)
+                with te.autocast(recipe=current):
+                    h = layers[1](h)
+                    with te.autocast(enabled=False):
+                        return layers[2](h)
+
+        backend = InductorRecorder()
+        if compiled:
+            fn = torch.compile(fn, backend=backend, fullgraph=True)
+        torch.manual_seed(1)
+        x = torch.randn(64, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        out = fn(x)
+        out.backward(torch.randn_like(out))
+        grads = [p.grad for layer in layers for p in layer.parameters()]
+        meta = layers[0].fp8_meta
+        state = [meta["scaling_fwd"].amax_history, meta["scaling_bwd"].amax_history]
+        return [out.detach(), x.grad, *grads, *state], backend.graphs
+
+    got, graphs = run_nested(compiled=True)
+    want, _ = run_nested(compiled=False)
+    assert graphs == 1
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"result {i} differs"

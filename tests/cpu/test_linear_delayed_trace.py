@@ -1,0 +1,120 @@
+"""te.Linear with DelayedScaling under torch.compile(fullgraph=True), traced on CPU.
+
+Joint (forward + backward) graphs on meta tensors, TE's recipe state allocated on meta too.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch import quantization as q
+
+from te_compile.testing import (
+    JointRecorder,
+    build_without_gpu,
+    meta_accepted,
+    op_targets,
+    recipe_state_on,
+)
+
+FGS = q.FP8GlobalStateManager
+IN, OUT = 64, 32
+FWD, BWD = "te_compile.linear_fwd.default", "te_compile.linear_bwd.default"
+UPDATE = "te_compile.amax_and_scale_update.default"
+
+
+@pytest.fixture
+def meta_delayed(patched, fake_gpu):
+    fake_gpu("hopper")
+    with meta_accepted(), recipe_state_on("meta"):
+        yield
+
+
+def make_linear(bias=True):
+    return build_without_gpu(
+        lambda: te.Linear(IN, OUT, bias=bias, params_dtype=torch.bfloat16, device="meta"), "meta"
+    )
+
+
+def x_meta(requires_grad=True):
+    return torch.empty(32, IN, device="meta", dtype=torch.bfloat16, requires_grad=requires_grad)
+
+
+def step_fn(linear, recipe):
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return linear(x)
+
+    return step
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_delayed_joint_graph_uses_te_state(bias, meta_delayed, graph_breaks):
+    recipe = R.DelayedScaling(amax_history_len=4)
+    linear = make_linear(bias)
+    rec = JointRecorder()
+    compiled = torch.compile(step_fn(linear, recipe), backend=rec.backend, fullgraph=True)
+    compiled(x_meta()).sum().backward()
+    assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
+    fw, bw = op_targets(rec.fw), op_targets(rec.bw)
+    assert fw.count(FWD) == 1 and bw.count(BWD) == 1
+    # The forward amax/scale update of the outermost autocast exit is in the forward graph.
+    assert fw.count(UPDATE) == 1
+    # TE's own state exists, with TE's shapes, and is registered for TE's updates.
+    meta = linear.fp8_meta
+    assert meta["scaling_fwd"].amax_history.shape == (4, 3)
+    assert meta["scaling_bwd"].amax_history.shape == (4, 2)
+    key = FGS.get_key_in_buffer(True, recipe, None)
+    assert FGS.quantization_state.global_amax_history_buffer[key] == [
+        meta["scaling_fwd"].amax_history
+    ]
+    assert FGS.get_unique_autocast_key(recipe, None) in FGS.quantization_state.autocast_arguments
+    # The backward op updates the backward state (its update spec is not empty).
+    bwd_node = next(
+        n for gm in rec.bw for n in gm.graph.nodes if "auto_functionalized" in str(n.target)
+    )
+    assert bwd_node.kwargs["bwd_update"].startswith("max,")
+
+
+def test_delayed_no_recompile_over_steps_and_fresh_recipes(meta_delayed):
+    linear = make_linear()
+    rec = JointRecorder()
+    current = {}
+
+    def step(x):
+        with te.autocast(recipe=current["recipe"]):
+            return linear(x)
+
+    compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
+    for _ in range(3):
+        current["recipe"] = R.DelayedScaling(amax_history_len=4)  # fresh, equal recipe
+        compiled(x_meta()).sum().backward()
+    assert len(rec.fw) == 1 and len(rec.bw) == 1
+
+
+def test_delayed_no_grad_skips_backward_update(meta_delayed):
+    linear = make_linear()
+    rec = JointRecorder()
+    with torch.no_grad():
+        torch.compile(step_fn(linear, R.DelayedScaling()), backend=rec.backend, fullgraph=True)(
+            x_meta(False)
+        )
+    fw = op_targets(rec.fw)
+    assert fw.count(FWD) == 1 and UPDATE not in fw  # TE skips the exit update without grad
+
+
+@pytest.mark.parametrize(
+    "kwargs,option",
+    [
+        (dict(amax_compute_algo=lambda h: h.max()), "callable amax_compute_algo"),
+        (dict(scaling_factor_compute_algo=lambda a, s, m, r: s), "scaling_factor_compute_algo"),
+    ],
+)
+def test_delayed_callables_are_refused(kwargs, option, meta_delayed):
+    linear = make_linear()
+    with pytest.raises(Exception, match=option):
+        torch.compile(step_fn(linear, R.DelayedScaling(**kwargs)), backend="eager", fullgraph=True)(
+            x_meta()
+        )
