@@ -33,7 +33,8 @@ def _module_by_id(module_id: int):
         from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
         for obj in gc.get_objects():
-            if isinstance(obj, TransformerEngineBaseModule):
+            # type() first: isinstance() on a dead weakref proxy raises ReferenceError.
+            if type(obj) not in weakref.ProxyTypes and isinstance(obj, TransformerEngineBaseModule):
                 _MODULES_BY_ID[id(obj)] = obj
         module = _MODULES_BY_ID.get(module_id)
     if module is None:
