@@ -5,6 +5,9 @@ Joint (forward + backward) graphs on meta tensors, TE's recipe state allocated o
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 import transformer_engine.pytorch as te
@@ -118,3 +121,21 @@ def test_delayed_callables_are_refused(kwargs, option, meta_delayed):
         torch.compile(step_fn(linear, R.DelayedScaling(**kwargs)), backend="eager", fullgraph=True)(
             x_meta()
         )
+
+
+def test_module_lookup_survives_dead_weak_proxies(meta_delayed):
+    """Finding a module by id scans gc objects; a dead weakref proxy among them must not raise."""
+
+    class Referent:
+        pass
+
+    referent = Referent()
+    proxy = weakref.proxy(referent)
+    del referent
+    gc.collect()
+    linear = make_linear()
+    rec = JointRecorder()
+    torch.compile(step_fn(linear, R.DelayedScaling()), backend=rec.backend, fullgraph=True)(
+        x_meta()
+    )
+    assert len(rec.fw) == 1 and type(proxy) in weakref.ProxyTypes
