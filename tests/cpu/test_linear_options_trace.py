@@ -25,11 +25,13 @@ def on_meta(patched, fake_gpu):
         yield
 
 
-def trace(recipe_name, **linear_kwargs):
+def trace(recipe_name, freeze_weight=False, **linear_kwargs):
+    """Compile a te.Linear's forward under the recipe and run it on a meta input."""
     linear = build_without_gpu(
         lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta", **linear_kwargs),
         "meta",
     )
+    linear.weight.requires_grad_(not freeze_weight)
     recipe = RECIPES[recipe_name]()
     rec = JointRecorder()
 
@@ -43,19 +45,8 @@ def trace(recipe_name, **linear_kwargs):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_frozen_weight(name, on_meta, graph_breaks):
-    linear = build_without_gpu(
-        lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta"), "meta"
-    )
-    linear.weight.requires_grad_(False)
-    recipe = RECIPES[name]()
-    rec = JointRecorder()
-
-    def fn(x):
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            return linear(x)
-
-    x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    torch.compile(fn, backend=rec.backend, fullgraph=True)(x).sum().backward()
+    linear, x, rec, out = trace(name, freeze_weight=True)
+    out.sum().backward()
     assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
     assert "te_compile.linear_bwd.default" in op_targets(rec.bw)
     assert linear.weight.grad is None and x.grad.shape == x.shape
