@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
-KINDS = ("none", "current", "block", "delayed")
-_FP8_DTYPES = ("e4m3", "e5m2")
+KINDS = ("none", "current", "block", "delayed", "mxfp8", "nvfp4")
+_DTYPES = ("e4m3", "e5m2", "e2m1")  # e2m1: NVFP4's FP4
 
 # TE's split-accumulator defaults when the recipe has no fp8_gemm_* fields (module/base.py).
 _DEFAULT_SPLIT_ACC = (False, True, True)
@@ -28,18 +28,23 @@ class QuantConfig:
     dtypes: tuple[str, str, str] = ("e4m3", "e4m3", "e5m2")
     pow2: tuple[bool, bool, bool] = (False, False, False)
     amax_eps: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    block_dims: tuple[int, int, int] = (1, 2, 1)  # used by kind == "block" only
+    # 1-D or 2-D block scaling per role: Float8BlockScaling's x/w/grad_block_scaling_dim,
+    # MXFP8's and NVFP4's with_2d_quantization (2 = on). Unused by per-tensor kinds.
+    block_dims: tuple[int, int, int] = (1, 2, 1)
     split_acc: tuple[bool, bool, bool] = _DEFAULT_SPLIT_ACC
     # Per-tensor FP8 keeps column-wise data as a separate transpose unless the GPU runs
     # non-TN FP8 GEMMs (TE's is_non_tn_fp8_gemm_supported): decides saved-tensor shapes.
     fp8_transpose: bool = True
+    # NVFP4 only: random Hadamard transform (with post-RHT amax) and stochastic rounding.
+    rht: tuple[bool, bool, bool] = (False, False, False)
+    stochastic_rounding: tuple[bool, bool, bool] = (False, False, False)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"QuantConfig.kind must be one of {KINDS}, got {self.kind!r}")
         for dtype in self.dtypes:
-            if dtype not in _FP8_DTYPES:
-                raise ValueError(f"FP8 dtype must be one of {_FP8_DTYPES}, got {dtype!r}")
+            if dtype not in _DTYPES:
+                raise ValueError(f"quantized dtype must be one of {_DTYPES}, got {dtype!r}")
         for dim in self.block_dims:
             if dim not in (1, 2):
                 raise ValueError(f"block scaling dims must be 1 or 2, got {self.block_dims}")
@@ -64,11 +69,13 @@ class QuantConfig:
             list(self.block_dims),
             list(self.split_acc),
             self.fp8_transpose,
+            list(self.rht),
+            list(self.stochastic_rounding),
         )
 
     @classmethod
     def from_op_args(
-        cls, kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose
+        cls, kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose, rht, sr
     ) -> QuantConfig:
         return cls(
             kind=kind,
@@ -78,6 +85,8 @@ class QuantConfig:
             block_dims=tuple(int(d) for d in block_dims),
             split_acc=tuple(bool(s) for s in split_acc),
             fp8_transpose=bool(fp8_transpose),
+            rht=tuple(bool(r) for r in rht),
+            stochastic_rounding=tuple(bool(r) for r in sr),
         )
 
 
@@ -115,6 +124,8 @@ def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
         DelayedScaling,
         Float8BlockScaling,
         Float8CurrentScaling,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
     )
 
     if recipe is None:
@@ -127,6 +138,32 @@ def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
             dtypes=(fwd, fwd, bwd),
             split_acc=_split_acc(recipe),
             fp8_transpose=fp8_transpose,
+        )
+    if isinstance(recipe, MXFP8BlockScaling):
+        # MXFP8BlockScalingRecipeState.make_quantizers (quantization.py:1529-1549): E4M3 or
+        # HYBRID per direction; 2-D blocks only for Linear's weight, and only with
+        # enable_2d_quantization. No fp8_gemm_* fields: TE's split-accumulator defaults.
+        return QuantConfig(
+            kind="mxfp8",
+            dtypes=(fwd, fwd, bwd),
+            block_dims=(1, 2 if recipe.enable_2d_quantization else 1, 1),
+            split_acc=_split_acc(recipe),
+            fp8_transpose=fp8_transpose,
+        )
+    if isinstance(recipe, NVFP4BlockScaling):
+        # NVFP4BlockScalingRecipeState.make_quantizers (quantization.py:1670-1749): per role the
+        # recipe's fp4_quant_fwd_inp / fp4_quant_fwd_weight / fp4_quant_bwd_grad (instance
+        # attributes set in __post_init__ from the disable_* fields); with_post_rht_amax
+        # follows RHT. The caller refuses row-scaled activations and 4over6.
+        params = (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad)
+        return QuantConfig(
+            kind="nvfp4",
+            dtypes=("e2m1", "e2m1", "e2m1"),
+            block_dims=tuple(2 if p.fp4_2d_quantization else 1 for p in params),
+            split_acc=_split_acc(recipe),
+            fp8_transpose=fp8_transpose,
+            rht=tuple(bool(p.random_hadamard_transform) for p in params),
+            stochastic_rounding=tuple(bool(p.stochastic_rounding) for p in params),
         )
     pow2, eps = _qparams(recipe)
     if isinstance(recipe, Float8CurrentScaling):

@@ -6,7 +6,8 @@ implement, and calls `te_compile::linear_fwd`, whose autograd formula calls
 `te_compile::linear_bwd`. It never calls TE's `prepare_forward` (which allocates and queries
 the driver) and writes no module state, so a traced step is replayable as is.
 
-Recipes: none (bf16/fp16/fp32), Float8CurrentScaling, Float8BlockScaling and DelayedScaling.
+Recipes: none (bf16/fp16/fp32), Float8CurrentScaling, Float8BlockScaling, DelayedScaling,
+MXFP8BlockScaling and NVFP4BlockScaling (the last two on Blackwell, as in eager TE).
 DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`, created once at trace
 time (fp8_state.py) and mutated in place by the ops.
 """
@@ -95,13 +96,23 @@ def _is_quantized(t) -> bool:
 def _quant_config(recipe) -> QuantConfig:
     from transformer_engine.common import recipe as R
 
-    if not isinstance(recipe, (R.DelayedScaling, R.Float8CurrentScaling, R.Float8BlockScaling)):
+    supported = (
+        R.DelayedScaling,
+        R.Float8CurrentScaling,
+        R.Float8BlockScaling,
+        R.MXFP8BlockScaling,
+        R.NVFP4BlockScaling,
+    )
+    if not isinstance(recipe, supported):
         raise _unsupported(
             f"the {type(recipe).__name__} recipe",
-            "use DelayedScaling, Float8CurrentScaling or Float8BlockScaling under compile",
+            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or "
+            "NVFP4BlockScaling under compile",
         )
     if isinstance(recipe, R.DelayedScaling):
         _check_delayed(recipe)
+    if isinstance(recipe, R.NVFP4BlockScaling):
+        _check_nvfp4(recipe)
     if recipe.backward_override is not None:
         raise _unsupported(
             f"backward_override={recipe.backward_override!r}",
@@ -119,6 +130,20 @@ def _fp8_transpose_layout() -> bool:
 
     cc = utils.get_device_compute_capability()
     return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
+
+
+def _check_nvfp4(recipe) -> None:
+    """NVFP4 options whose quantizers and storages the compiled path does not rebuild."""
+    if recipe.row_scaled_activation:
+        raise _unsupported(
+            "NVFP4BlockScaling(row_scaled_activation=True)",
+            "use row_scaled_activation=False (NVTE_NVFP4_ROW_SCALED_ACTIVATION unset)",
+        )
+    if recipe.nvfp4_4over6 != "none":
+        raise _unsupported(
+            f"NVFP4BlockScaling(nvfp4_4over6={recipe.nvfp4_4over6!r})",
+            "use nvfp4_4over6='none' (NVTE_NVFP4_4OVER6 unset)",
+        )
 
 
 def _check_delayed(recipe) -> None:

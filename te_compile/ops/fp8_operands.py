@@ -8,6 +8,7 @@ Column-wise parts, per config kind:
   with non-TN FP8 GEMMs read it directly). scale_inv is float32 [1].
 - "block": [columnwise_data, columnwise_scale_inv]: uint8 [last, *leading] and float32 of
   the shape TE's `Float8BlockQuantizer.get_scale_shape(shape, columnwise=True)` gives.
+- "mxfp8" and "nvfp4": see operands_mx.py.
 
 The `fake_*` helpers compute the same shapes without touching a device.
 """
@@ -17,6 +18,15 @@ from __future__ import annotations
 import torch
 
 from ..recipes import ROLES, QuantConfig
+from .operands_mx import (
+    MX_KINDS,
+    check_swizzled,
+    make_mx_quantizer,
+    mx_columnwise_count,
+    mx_columnwise_parts,
+    mx_columnwise_specs,
+    mx_columnwise_storage,
+)
 
 
 def _te_dtype(name: str):
@@ -37,10 +47,12 @@ def make_quantizer(
     rowwise: bool,
     columnwise: bool,
     state: list[torch.Tensor] | None = None,
+    weight: torch.Tensor | None = None,
 ):
     """The quantizer te.Linear uses for `role`, configured as eager TE configures it.
     DelayedScaling needs `state` = [scale, amax] of the role's direction, both 1-D over TE's
-    slots: the quantizer reads its scale and max-accumulates its amax in place."""
+    slots: the quantizer reads its scale and max-accumulates its amax in place. The weight
+    role needs the `weight` it will quantize (TE decides scale swizzling from its shape)."""
     i = ROLES.index(role)
     if cfg.kind == "delayed":
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
@@ -69,13 +81,32 @@ def make_quantizer(
         )
     elif cfg.kind == "block":
         q = _block_quantizer(cfg, i, rowwise=rowwise, columnwise=columnwise)
+    elif cfg.kind in MX_KINDS:
+        q = make_mx_quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise)
     else:
         raise ValueError(f"no quantizer for QuantConfig kind {cfg.kind!r}")
     # Linear marks all its quantizers internal (bare storages, no autograd) and asks input and
-    # grad-output quantization to produce GEMM-ready scales (a no-op for these two kinds).
+    # grad-output quantization for GEMM-ready (swizzled) scales (linear.py:2590-2600); the
+    # weight's flag is TE's `_enable_weight_preswizzle` (linear.py:2430).
     q.internal = True
-    q.optimize_for_gemm = role != "weight"
+    q.optimize_for_gemm = _weight_preswizzle(q, weight) if role == "weight" else True
     return q
+
+
+class _HighPrecisionWeights:
+    """The one module attribute `_enable_weight_preswizzle` reads: the compiled path refuses
+    FP8 primary weights."""
+
+    primary_weights_in_fp8 = False
+
+
+def _weight_preswizzle(q, weight: torch.Tensor | None) -> bool:
+    if weight is None:
+        raise ValueError("the weight quantizer needs the weight (scale swizzling)")
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    # base.py:1277-1308; False for per-tensor and Float8 block quantizers.
+    return TransformerEngineBaseModule._enable_weight_preswizzle(_HighPrecisionWeights, q, weight)
 
 
 def _block_quantizer(cfg: QuantConfig, i: int, *, rowwise: bool, columnwise: bool):
@@ -104,11 +135,15 @@ def columnwise_parts(storage, cfg: QuantConfig) -> list[torch.Tensor]:
         return [data, storage._scale_inv]
     if cfg.kind == "block":
         return [storage._columnwise_data, storage._columnwise_scale_inv]
+    if cfg.kind in MX_KINDS:
+        return mx_columnwise_parts(storage, cfg)
     raise ValueError(f"no FP8 operand for QuantConfig kind {cfg.kind!r}")
 
 
 def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, fake_dtype):
     """A TE storage holding only the column-wise half, ready for `general_gemm`."""
+    if cfg.kind in MX_KINDS:
+        return mx_columnwise_storage(parts, cfg, role, fake_dtype)
     i = ROLES.index(role)
     data, scale_inv = parts
     if cfg.per_tensor:
@@ -141,7 +176,15 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
 
 
 def columnwise_count(cfg: QuantConfig) -> int:
+    if cfg.kind in MX_KINDS:
+        return mx_columnwise_count(cfg)
     return 2 if cfg.fp8 else 0
+
+
+def check_scale_layout(storage, cfg: QuantConfig, role: str, shape) -> None:
+    """MXFP8/NVFP4: the scale layout backward will assume is the one TE produced."""
+    if cfg.kind in MX_KINDS:
+        check_swizzled(storage, cfg, role, shape)
 
 
 def _transposed(shape) -> list:
@@ -156,6 +199,11 @@ def fake_columnwise_parts(shape, cfg: QuantConfig, role: str, like: torch.Tensor
         return [
             like.new_empty(data_shape, dtype=torch.uint8),
             like.new_empty([1], dtype=torch.float32),
+        ]
+    if cfg.kind in MX_KINDS:
+        return [
+            like.new_empty(list(part_shape), dtype=dtype)
+            for part_shape, dtype in mx_columnwise_specs(shape, cfg, role)
         ]
     i = ROLES.index(role)
     q = _block_quantizer(cfg, i, rowwise=False, columnwise=True)

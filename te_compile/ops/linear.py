@@ -14,7 +14,8 @@ TE-owned scale and amax-history tensors; empty lists for other recipes). linear_
 autograd formula, so it may not mutate: it returns the new forward amaxes for the caller to
 write back. With FP8, forward also returns what backward needs as
 plain tensors (the column-wise half of the quantized input, when wgrad is needed, and of the
-quantized weight, when dgrad is needed; see fp8_operands.py), exactly the halves eager TE keeps.
+quantized weight, when dgrad is needed; see fp8_operands.py): the halves the backward GEMMs
+read (eager TE keeps the input's column-wise half only, but the whole quantized weight).
 Without FP8, the saved tensors are the op's own inputs. The GEMM calls pass the arguments
 eager TE's `_linear_forward_impl`/`_linear_backward_impl` pass (TE 2.20.2).
 """
@@ -26,6 +27,7 @@ import torch
 from ..recipes import QuantConfig
 from .delayed_scaling import update_amax_and_scale
 from .fp8_operands import (
+    check_scale_layout,
     columnwise_count,
     columnwise_parts,
     columnwise_storage,
@@ -65,6 +67,8 @@ def linear_fwd(
     block_dims: list[int],
     split_acc: list[bool],
     fp8_transpose: bool,
+    rht: list[bool],
+    stochastic_rounding: list[bool],
 ) -> list[torch.Tensor]:
     """y = inp @ weight.T + bias, with FP8 operands when `kind` is not "none".
 
@@ -75,7 +79,15 @@ def linear_fwd(
     the backward op, which mutates it and runs the backward amax/scale update described by
     `bwd_update` ("" for none, else "algo,margin,fused"; see `parse_update`)."""
     cfg = QuantConfig.from_op_args(
-        kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose
+        kind,
+        dtypes,
+        pow2,
+        amax_eps,
+        block_dims,
+        split_acc,
+        fp8_transpose,
+        rht,
+        stochastic_rounding,
     )
     if not cfg.fp8:
         out, *_ = _gemm(
@@ -89,7 +101,9 @@ def linear_fwd(
     # Column-wise halves are produced only when backward will read them, as in eager TE.
     state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
     x = make_quantizer(cfg, "input", rowwise=True, columnwise=save_input, state=state)(inp)
-    w = make_quantizer(cfg, "weight", rowwise=True, columnwise=save_weight, state=state)(weight)
+    w = make_quantizer(
+        cfg, "weight", rowwise=True, columnwise=save_weight, state=state, weight=weight
+    )(weight)
     # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
     bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
     out, *_ = _gemm(
@@ -101,9 +115,11 @@ def linear_fwd(
     )
     saved = []
     if save_input:
+        check_scale_layout(x, cfg, "input", inp.shape)
         x.update_usage(rowwise_usage=False, columnwise_usage=True)  # row-wise is dead now
         saved += columnwise_parts(x, cfg)
     if save_weight:
+        check_scale_layout(w, cfg, "weight", weight.shape)
         saved += columnwise_parts(w, cfg)
     return [out, *saved, *([state[1]] if state else [])]
 
@@ -166,12 +182,22 @@ def linear_bwd(
     block_dims: list[int],
     split_acc: list[bool],
     fp8_transpose: bool,
+    rht: list[bool],
+    stochastic_rounding: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
     bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
     carry the operands."""
     cfg = QuantConfig.from_op_args(
-        kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose
+        kind,
+        dtypes,
+        pow2,
+        amax_eps,
+        block_dims,
+        split_acc,
+        fp8_transpose,
+        rht,
+        stochastic_rounding,
     )
     in_shape = [*grad_out.shape[:-1], in_features]
     g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
@@ -234,6 +260,9 @@ def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool
         return q(g), g.view(-1, g.shape[-1]).sum(dim=0)
     import transformer_engine_torch as tex
 
+    # As grad_output_preprocess (base.py:1774-1786): bgrad_quantize fuses dbias into the cast
+    # for per-tensor FP8 (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4
+    # it sums in high precision, then quantizes (bias.cpp:58-79).
     dbias, g_fp8 = tex.bgrad_quantize(g, q)
     return g_fp8, dbias
 
