@@ -156,18 +156,6 @@ def trace_report() -> None:
 # ---- on a GPU: train compiled and eager --------------------------------------------------------
 
 
-class CountingInductor:
-    """Inductor, counting the graphs dynamo hands it (a recompile or graph break adds one)."""
-
-    def __init__(self):
-        self.inductor = torch._dynamo.backends.registry.lookup_backend("inductor")
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inductor(gm, example_inputs)
-
-
 def batches():
     """STEPS batches of a synthetic regression task: y = tanh(x @ teacher)."""
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -183,7 +171,7 @@ def train(recipe, compiled: bool, data):
     torch.manual_seed(0)
     model = MLP(device="cuda")
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    backend = CountingInductor()
+    backend = testing.InductorRecorder()
     step = loss_fn(model, recipe)
     if compiled:
         step = torch.compile(step, backend=backend, fullgraph=True)

@@ -88,6 +88,20 @@ def op_targets(graphs) -> list[str]:
     return names
 
 
+class InductorRecorder:
+    """The inductor backend, counting the graphs dynamo hands it (a recompile adds one)."""
+
+    def __init__(self):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.inductor = lookup_backend("inductor")
+        self.graphs = 0
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self.inductor(gm, example_inputs)
+
+
 @contextlib.contextmanager
 def cuda_reported_available():
     """Within the block torch.cuda.is_available() answers True, so TE constructs modules without

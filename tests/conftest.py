@@ -7,11 +7,12 @@ tensors come from FakeTensorMode (see `fake_cuda`).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 
 import pytest
 import torch
+
+from te_compile.testing import GENERATIONS, RecordingBackend
 
 warnings.filterwarnings("ignore", module="transformer_engine")
 
@@ -36,23 +37,6 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         elif TE_IMPORT_ERROR is not None:
             item.add_marker(skip_te)
-
-
-@dataclasses.dataclass
-class RecordingBackend:
-    """A torch.compile backend that keeps every graph it is handed and runs it as is."""
-
-    graphs: list = dataclasses.field(default_factory=list)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs.append(gm)
-        return gm.forward
-
-    def targets(self) -> list[str]:
-        """Names of every call_function target in every graph."""
-        return [
-            str(n.target) for gm in self.graphs for n in gm.graph.nodes if n.op == "call_function"
-        ]
 
 
 @pytest.fixture
@@ -92,35 +76,6 @@ def patched():
     te_compile.patch()
     yield te_compile
     te_compile.unpatch()
-
-
-GENERATIONS = {
-    # name: (compute capability, support answers TE would cache on that GPU)
-    "hopper": (
-        (9, 0),
-        {
-            "_FP8_SUPPORT": (True, ""),
-            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
-            "_MXFP8_SUPPORT": (
-                False,
-                "Device compute capability 10.0 or higher required for MXFP8 execution.",
-            ),
-            "_NVFP4_SUPPORT": (
-                False,
-                "Device compute capability 10.0 or higher required for NVFP4 execution.",
-            ),
-        },
-    ),
-    "blackwell": (
-        (10, 0),
-        {
-            "_FP8_SUPPORT": (True, ""),
-            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
-            "_MXFP8_SUPPORT": (True, ""),
-            "_NVFP4_SUPPORT": (True, ""),
-        },
-    ),
-}
 
 
 def constant_capability(cc):

@@ -15,21 +15,9 @@ from conftest import recipe_instances
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
+from te_compile.testing import InductorRecorder
+
 pytestmark = pytest.mark.gpu
-
-
-class InductorRecorder:
-    """Inductor, counting the graphs dynamo hands it (a recompile or graph break adds one)."""
-
-    def __init__(self):
-        from torch._dynamo.backends.registry import lookup_backend
-
-        self.inductor = lookup_backend("inductor")
-        self.graphs = 0
-
-    def __call__(self, gm, example_inputs):
-        self.graphs += 1
-        return self.inductor(gm, example_inputs)
 
 
 def supported(name: str) -> tuple[bool, str]:
