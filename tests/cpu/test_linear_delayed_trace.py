@@ -139,3 +139,20 @@ def test_module_lookup_survives_dead_weak_proxies(meta_delayed):
         x_meta()
     )
     assert len(rec.fw) == 1 and type(proxy) in weakref.ProxyTypes
+
+
+def test_changing_recipe_costs_one_recompile(meta_delayed):
+    """Equal recipes reuse the graph; switching the recipe kind compiles once more."""
+    linear = make_linear()
+    rec = JointRecorder()
+    current = {}
+
+    def step(x):
+        with te.autocast(recipe=current["recipe"]):
+            return linear(x)
+
+    compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
+    for recipe in [R.Float8CurrentScaling(), R.Float8CurrentScaling(), R.DelayedScaling()]:
+        current["recipe"] = recipe
+        compiled(x_meta()).sum().backward()
+    assert len(rec.fw) == 2

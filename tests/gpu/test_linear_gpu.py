@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
+import linear_cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
@@ -172,16 +173,7 @@ def _quant(name):
 
 
 def _fwd_args(name, bias=True):
-    torch.manual_seed(0)
-    x = torch.randn(64, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = torch.randn(OUT, IN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    b = torch.randn(OUT, device="cuda", dtype=torch.bfloat16, requires_grad=True) if bias else None
-    fwd_state, bwd_state, update = [], [], ""
-    if name == "delayed":  # TE's initial DelayedScaling state, with some amax history
-        fwd_state = [torch.ones(3, device="cuda"), torch.rand(3, device="cuda")]
-        bwd_state = [torch.ones(2, device="cuda"), torch.rand(4, 2, device="cuda")]
-        update = "max,0.0,1"
-    return (x, w, b, torch.bfloat16, True, True, fwd_state, bwd_state, update, *_quant(name))
+    return linear_cases.fwd_args(_quant(name), bias, delayed=name == "delayed")
 
 
 @pytest.mark.parametrize("name", RECIPES)
@@ -208,33 +200,7 @@ def test_linear_bwd_opcheck(name, bias):
     skip_unless_supported(name)
     import te_compile.ops  # noqa: F401
 
-    args = _fwd_args(name, bias)
-    x, w, b = args[:3]
-    with torch.no_grad():
-        out, *parts = torch.ops.te_compile.linear_fwd(*args)
-    grad = torch.randn_like(out)
-    fp8 = name != "none"
-    if name == "delayed":
-        parts = parts[:-1]  # the returned forward amaxes
-    n = len(parts) // 2
-    scale, history = args[7] or [None, None]
-    bwd_args = (
-        grad,
-        None if fp8 else x.detach(),
-        None if fp8 else w.detach(),
-        None if fp8 else (b.detach() if b is not None else None),
-        b is not None,
-        parts[:n],
-        parts[n:],
-        scale,
-        history,
-        args[8],
-        torch.bfloat16,
-        IN,
-        True,
-        True,
-        *_quant(name),
-    )
+    bwd_args = linear_cases.bwd_args(_fwd_args(name, bias))
     checks = ("test_schema", "test_autograd_registration", "test_faketensor")
     if name != "nvfp4":
         # NVFP4 rounds gradients stochastically: each run draws new Philox offsets.
