@@ -70,6 +70,9 @@ def reason(e: BaseException, width: int = 140) -> str:
     """The error's own message, unwrapped from dynamo's "Observed exception" and "backend=...
     raised:" wrappers: its first clause, at most `width` characters."""
     text = str(e)
+    ours = re.search(r"(\w+ cannot run on this GPU: [^'\"\n)]*)", text)  # RecipeNotSupportedError
+    if ours:
+        return ours[1][:width]
     inner = re.search(r"raised exception \w+\((['\"])(.*?)\1\)", text, re.S)
     lines = [inner[2]] if inner else [ln for ln in text.splitlines() if ln.strip()]
     lines = [ln for ln in lines if not ln.endswith(" raised:")] or [type(e).__name__]
