@@ -27,7 +27,7 @@ from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS  # noqa: E402
 
 import te_compile  # noqa: E402
-from te_compile import testing  # noqa: E402
+import te_compile_testing as testing  # noqa: E402
 
 # name: (recipe factory, the GPU generation the CPU trace pretends to be on)
 RECIPES = {

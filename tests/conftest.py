@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from te_compile.testing import GENERATIONS, RecordingBackend
+from te_compile_testing import GENERATIONS, RecordingBackend
 
 warnings.filterwarnings("ignore", module="transformer_engine")
 

@@ -201,7 +201,7 @@ def test_no_assert_control_flow_under_python_O():
     script = textwrap.dedent(
         """
         import sys, torch
-        from te_compile.testing import GENERATIONS
+        from te_compile_testing import GENERATIONS
         from transformer_engine.pytorch import quantization as q, utils
         import transformer_engine.pytorch as te
         from transformer_engine.common import recipe as R

@@ -23,7 +23,7 @@ import te_compile.modules.linear as module_linear
 from te_compile.ops import operands_mx
 from te_compile.ops.fp8_operands import make_quantizer
 from te_compile.recipes import for_linear
-from te_compile.testing import JointRecorder, op_targets
+from te_compile_testing import JointRecorder, op_targets
 
 IN, OUT = 64, 32
 SHAPES = {"2d": (32, IN), "3d": (4, 8, IN)}

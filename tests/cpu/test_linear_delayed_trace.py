@@ -14,7 +14,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
-from te_compile.testing import (
+from te_compile_testing import (
     JointRecorder,
     build_without_gpu,
     meta_accepted,

@@ -7,7 +7,7 @@ import torch
 import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
-from te_compile.testing import (
+from te_compile_testing import (
     JointRecorder,
     build_without_gpu,
     meta_accepted,

@@ -16,7 +16,7 @@ from conftest import compile_fullgraph, recipe_instances
 from transformer_engine.common import recipe as R
 
 import te_compile.modules.linear as module_linear
-from te_compile.testing import JointRecorder
+from te_compile_testing import JointRecorder
 
 FWD, BWD = "te_compile.linear_fwd", "te_compile.linear_bwd"
 RECIPES = ["none", "current", "block"]

@@ -13,7 +13,7 @@ from conftest import RECIPE_GENERATION, recipe_instances
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
-from te_compile.testing import InductorRecorder
+from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
 FGS = q.FP8GlobalStateManager

@@ -1,4 +1,5 @@
-"""Helpers for tests and the CPU demo; library code never imports this module.
+"""Helpers for te-compile's tests and CPU demo (a package of its own: library code never
+imports it, and it may use private torch APIs).
 
 `pretend_gpu("hopper")` makes TE believe it sits on a GPU generation by pinning the answers TE
 caches for its support checks and its compute-capability query. It lets a machine without a GPU
