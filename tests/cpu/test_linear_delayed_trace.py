@@ -81,7 +81,9 @@ def test_delayed_joint_graph_uses_te_state(bias, meta_delayed, graph_breaks):
     assert bwd_node.kwargs["bwd_update"].startswith("max,")
 
 
-def test_delayed_no_recompile_over_steps_and_fresh_recipes(meta_delayed):
+def train_steps(recipes) -> JointRecorder:
+    """One compiled fwd+bwd step per recipe, the autocast inside the compiled function reading
+    the step's recipe object (so a new object per step reaches the trace's guards)."""
     linear = make_linear()
     rec = JointRecorder()
     current = {}
@@ -91,9 +93,14 @@ def test_delayed_no_recompile_over_steps_and_fresh_recipes(meta_delayed):
             return linear(x)
 
     compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
-    for _ in range(3):
-        current["recipe"] = R.DelayedScaling(amax_history_len=4)  # fresh, equal recipe
+    for recipe in recipes:
+        current["recipe"] = recipe
         compiled(x_meta()).sum().backward()
+    return rec
+
+
+def test_delayed_no_recompile_over_steps_and_fresh_recipes(meta_delayed):
+    rec = train_steps([R.DelayedScaling(amax_history_len=4) for _ in range(3)])  # equal, fresh
     assert len(rec.fw) == 1 and len(rec.bw) == 1
 
 
@@ -143,16 +150,5 @@ def test_module_lookup_survives_dead_weak_proxies(meta_delayed):
 
 def test_changing_recipe_costs_one_recompile(meta_delayed):
     """Equal recipes reuse the graph; switching the recipe kind compiles once more."""
-    linear = make_linear()
-    rec = JointRecorder()
-    current = {}
-
-    def step(x):
-        with te.autocast(recipe=current["recipe"]):
-            return linear(x)
-
-    compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
-    for recipe in [R.Float8CurrentScaling(), R.Float8CurrentScaling(), R.DelayedScaling()]:
-        current["recipe"] = recipe
-        compiled(x_meta()).sum().backward()
+    rec = train_steps([R.Float8CurrentScaling(), R.Float8CurrentScaling(), R.DelayedScaling()])
     assert len(rec.fw) == 2
