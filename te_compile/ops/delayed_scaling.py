@@ -10,13 +10,7 @@ from __future__ import annotations
 
 import torch
 
-_FP8_DTYPES = ("e4m3", "e5m2")
-
-
-def _te_dtype(fp8_dtype: str):
-    import transformer_engine_torch as tex
-
-    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[fp8_dtype]
+from .te_dtypes import FP8_DTYPES, te_fp8_dtype
 
 
 def update_amax_and_scale(
@@ -34,8 +28,8 @@ def update_amax_and_scale(
     Without a cross-rank reduction each (history, scale) pair updates independently, so one
     call over many pairs equals one call per pair.
     """
-    if fp8_dtype not in _FP8_DTYPES:
-        raise ValueError(f"fp8_dtype must be one of {_FP8_DTYPES}, got {fp8_dtype!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
     if not amax_histories:
         return
     # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated.
@@ -44,7 +38,7 @@ def update_amax_and_scale(
         import transformer_engine_torch as tex
 
         tex.fused_amax_and_scale_update_after_reduction(
-            latest, amax_histories, scales, amax_compute_algo, _te_dtype(fp8_dtype), margin
+            latest, amax_histories, scales, amax_compute_algo, te_fp8_dtype(fp8_dtype), margin
         )
         return
     from transformer_engine.common.recipe import DelayedScaling, Format

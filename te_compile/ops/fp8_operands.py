@@ -27,13 +27,7 @@ from .operands_mx import (
     mx_columnwise_specs,
     mx_columnwise_storage,
 )
-
-
-def _te_dtype(name: str):
-    import transformer_engine_torch as tex
-
-    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[name]
-
+from .te_dtypes import te_fp8_dtype
 
 # DelayedScaling slots in TE's fp8_meta: forward [input, weight, output], backward
 # [grad_output, grad_input] (csrc/common.h); the role picks its slot in its direction's state.
@@ -64,7 +58,7 @@ def make_quantizer(
         q = Float8Quantizer(
             scale[slot],
             amax[slot].reshape((1,)),
-            _te_dtype(cfg.dtypes[i]),
+            te_fp8_dtype(cfg.dtypes[i]),
             rowwise=rowwise,
             columnwise=columnwise,
         )
@@ -72,7 +66,7 @@ def make_quantizer(
         from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
         q = Float8CurrentScalingQuantizer(
-            _te_dtype(cfg.dtypes[i]),
+            te_fp8_dtype(cfg.dtypes[i]),
             None,  # the device argument is ignored by TE 2.20
             rowwise=rowwise,
             columnwise=columnwise,
@@ -113,7 +107,7 @@ def _block_quantizer(cfg: QuantConfig, i: int, *, rowwise: bool, columnwise: boo
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
     return Float8BlockQuantizer(
-        _te_dtype(cfg.dtypes[i]),
+        te_fp8_dtype(cfg.dtypes[i]),
         rowwise=rowwise,
         columnwise=columnwise,
         amax_epsilon=cfg.amax_eps[i],
@@ -156,7 +150,7 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
             data=None if cfg.fp8_transpose else data,
             data_transpose=data if cfg.fp8_transpose else None,
             fp8_scale_inv=scale_inv,
-            fp8_dtype=_te_dtype(cfg.dtypes[i]),
+            fp8_dtype=te_fp8_dtype(cfg.dtypes[i]),
             fake_dtype=fake_dtype,
         )
     from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
@@ -168,7 +162,7 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
         None,
         data,
         scale_inv,
-        _te_dtype(cfg.dtypes[i]),
+        te_fp8_dtype(cfg.dtypes[i]),
         _block_quantizer(cfg, i, rowwise=False, columnwise=True),
         cfg.block_dims[i] == 2,
         fake_dtype=fake_dtype,

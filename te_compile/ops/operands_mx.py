@@ -24,14 +24,9 @@ import math
 import torch
 
 from ..recipes import ROLES, QuantConfig
+from .te_dtypes import te_fp8_dtype
 
 MX_KINDS = ("mxfp8", "nvfp4")
-
-
-def _fp8_dtype(name: str):
-    import transformer_engine_torch as tex
-
-    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[name]
 
 
 def make_mx_quantizer(cfg: QuantConfig, role: str, *, rowwise: bool, columnwise: bool):
@@ -44,7 +39,7 @@ def make_mx_quantizer(cfg: QuantConfig, role: str, *, rowwise: bool, columnwise:
         # quantization.py:1536-1549: with_2d_quantization only for Linear's weight
         # (module_type "linear", tensor_type "weight") under enable_2d_quantization.
         return MXFP8Quantizer(
-            _fp8_dtype(cfg.dtypes[i]),
+            te_fp8_dtype(cfg.dtypes[i]),
             rowwise=rowwise,
             columnwise=columnwise,
             with_2d_quantization=cfg.block_dims[i] == 2,
@@ -146,7 +141,7 @@ def mx_columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str
             None,
             data,
             scale_inv,
-            _fp8_dtype(cfg.dtypes[ROLES.index(role)]),
+            te_fp8_dtype(cfg.dtypes[ROLES.index(role)]),
             None,
             swizzled_scales(cfg, role, data.shape),
             fake_dtype=fake_dtype,

@@ -1,0 +1,14 @@
+"""FP8 dtype names, as ops carry them, to TE's `DType` enum."""
+
+from __future__ import annotations
+
+FP8_DTYPES = ("e4m3", "e5m2")
+
+
+def te_fp8_dtype(name: str):
+    """ "e4m3" / "e5m2" -> transformer_engine_torch.DType."""
+    import transformer_engine_torch as tex
+
+    if name not in FP8_DTYPES:
+        raise ValueError(f"FP8 dtype must be one of {FP8_DTYPES}, got {name!r}")
+    return {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[name]
