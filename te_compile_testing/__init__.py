@@ -89,6 +89,23 @@ def op_targets(graphs) -> list[str]:
     return names
 
 
+def recipe_supported(name: str) -> tuple[bool, str]:
+    """TE's own (supported, reason) for a recipe name of the tests ("none" needs nothing)."""
+    from transformer_engine.pytorch import quantization as q
+
+    if name == "none":
+        return True, ""
+    check = {
+        "delayed": q.check_fp8_support,
+        "current": q.check_fp8_support,
+        "custom": q.check_fp8_support,
+        "block": q.check_fp8_block_scaling_support,
+        "mxfp8": q.check_mxfp8_support,
+        "nvfp4": q.check_nvfp4_support,
+    }[name]
+    return check()
+
+
 class InductorRecorder:
     """The inductor backend, counting the graphs dynamo hands it (a recompile adds one)."""
 

@@ -14,21 +14,10 @@ from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 from te_compile_testing import InductorRecorder
+from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 FGS = q.FP8GlobalStateManager
-
-
-def supported(name: str) -> tuple[bool, str]:
-    check = {
-        "delayed": q.check_fp8_support,
-        "current": q.check_fp8_support,
-        "custom": q.check_fp8_support,
-        "block": q.check_fp8_block_scaling_support,
-        "mxfp8": q.check_mxfp8_support,
-        "nvfp4": q.check_nvfp4_support,
-    }[name]
-    return check()
 
 
 def x_cuda():

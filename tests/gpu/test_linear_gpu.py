@@ -17,19 +17,9 @@ from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 from te_compile_testing import InductorRecorder
+from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
-
-
-def supported(name: str) -> tuple[bool, str]:
-    check = {
-        "current": q.check_fp8_support,
-        "delayed": q.check_fp8_support,
-        "block": q.check_fp8_block_scaling_support,
-        "mxfp8": q.check_mxfp8_support,
-        "nvfp4": q.check_nvfp4_support,
-    }[name]
-    return check()
 
 
 # MXFP8 and NVFP4 need Blackwell: on Hopper their cases skip with TE's reason.
@@ -46,7 +36,7 @@ def recipe_for(name):
 
 
 def skip_unless_supported(name):
-    if name != "none" and not supported(name)[0]:
+    if not supported(name)[0]:
         pytest.skip(supported(name)[1])
 
 
