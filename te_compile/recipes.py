@@ -1,14 +1,17 @@
 """Recipes flattened into plain values, so they can cross a custom-op boundary.
 
 `QuantConfig` holds everything a GEMM layer's ops need to rebuild TE's quantizers and GEMM
-arguments. It is built from a TE recipe at trace time (`for_linear`) and travels as the plain
-values of `op_args()`; the op side rebuilds it with `QuantConfig.from_op_args`. This module
-reads TE recipe objects but never touches a device.
+arguments. It is built from a TE recipe at trace time (`for_linear`) and crosses the op
+boundary as one human-readable string, `cfg.key` (for example
+"kind=current;dtypes=e4m3,e4m3,e5m2;pow2=0,0,0;eps=0.0,0.0,0.0;blocks=1,2,1;acc=0,1,1;..."). The
+op side decodes it with `QuantConfig.from_key`, cached by value: a step pays one dict lookup,
+not a rebuild. This module reads TE recipe objects but never touches a device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, fields
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
@@ -38,6 +41,11 @@ class QuantConfig:
     # NVFP4 only: random Hadamard transform (with post-RHT amax) and stochastic rounding.
     rht: tuple[bool, bool, bool] = (False, False, False)
     stochastic_rounding: tuple[bool, bool, bool] = (False, False, False)
+    # DelayedScaling only: the amax/scale update the backward op runs on its own state
+    # (amax_compute_algo, margin, TE's fused kernel or its Python fallback).
+    amax_algo: str = "max"
+    margin: float = 0.0
+    fused_update: bool = True
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -58,36 +66,71 @@ class QuantConfig:
         """One scale per tensor (Float8TensorStorage operands)."""
         return self.kind in ("current", "delayed")
 
-    def op_args(self) -> tuple:
-        """The config as plain op arguments. Custom-op schemas have no list of strings, so the
-        per-role FP8 dtypes travel as one comma-separated string ("e4m3,e4m3,e5m2")."""
+    @property
+    def key(self) -> str:
+        """The config as one canonical string: the ops' only recipe argument. (Built while
+        dynamo traces the module, so plain string formatting only.)"""
+        e = _encode
         return (
-            self.kind,
-            ",".join(self.dtypes),
-            list(self.pow2),
-            [float(e) for e in self.amax_eps],
-            list(self.block_dims),
-            list(self.split_acc),
-            self.fp8_transpose,
-            list(self.rht),
-            list(self.stochastic_rounding),
+            f"kind={self.kind};dtypes={e(self.dtypes)};pow2={e(self.pow2)};"
+            f"eps={e(self.amax_eps)};blocks={e(self.block_dims)};acc={e(self.split_acc)};"
+            f"transpose={e(self.fp8_transpose)};rht={e(self.rht)};"
+            f"sr={e(self.stochastic_rounding)};algo={self.amax_algo};margin={e(self.margin)};"
+            f"fused={e(self.fused_update)}"
         )
 
-    @classmethod
-    def from_op_args(
-        cls, kind, dtypes, pow2, amax_eps, block_dims, split_acc, fp8_transpose, rht, sr
-    ) -> QuantConfig:
-        return cls(
-            kind=kind,
-            dtypes=tuple(dtypes.split(",")),
-            pow2=tuple(bool(p) for p in pow2),
-            amax_eps=tuple(float(e) for e in amax_eps),
-            block_dims=tuple(int(d) for d in block_dims),
-            split_acc=tuple(bool(s) for s in split_acc),
-            fp8_transpose=bool(fp8_transpose),
-            rht=tuple(bool(r) for r in rht),
-            stochastic_rounding=tuple(bool(r) for r in sr),
-        )
+    @staticmethod
+    @functools.cache
+    def from_key(key: str) -> QuantConfig:
+        """Inverse of `key`, cached: ops call it on every run."""
+        values = dict(item.split("=", 1) for item in key.split(";"))
+        kwargs = {}
+        for f in fields(QuantConfig):
+            raw, default = values[_SHORT[f.name]], getattr(_DEFAULT, f.name)
+            kwargs[f.name] = _decode(raw, default)
+        cfg = QuantConfig(**kwargs)
+        if cfg.key != key:
+            raise ValueError(f"not a canonical QuantConfig key: {key!r}")
+        return cfg
+
+
+# Short field names for `QuantConfig.key`, in field order.
+_SHORT = {
+    "kind": "kind",
+    "dtypes": "dtypes",
+    "pow2": "pow2",
+    "amax_eps": "eps",
+    "block_dims": "blocks",
+    "split_acc": "acc",
+    "fp8_transpose": "transpose",
+    "rht": "rht",
+    "stochastic_rounding": "sr",
+    "amax_algo": "algo",
+    "margin": "margin",
+    "fused_update": "fused",
+}
+
+
+def _encode(value) -> str:
+    if isinstance(value, tuple):
+        return ",".join(_encode(v) for v in value)
+    if isinstance(value, bool):
+        return str(int(value))
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def _decode(raw: str, like):
+    """Parse `raw` as a value of the same type as the default `like`."""
+    if isinstance(like, tuple):
+        return tuple(_decode(r, like[0]) for r in raw.split(","))
+    if isinstance(like, bool):
+        return bool(int(raw))
+    return type(like)(raw)
+
+
+_DEFAULT = QuantConfig()
 
 
 def _dtype_name(recipe, fprop: bool) -> str:
@@ -117,9 +160,10 @@ def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float
     )
 
 
-def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
+def for_linear(recipe, *, fp8_transpose: bool, fused_update: bool = True) -> QuantConfig:
     """The config te.Linear uses for `recipe` (None: no FP8). Only the recipe kinds in `KINDS`
-    are handled here; the caller rejects the others first."""
+    are handled here; the caller rejects the others first. `fused_update` is False where TE
+    runs its Python amax/scale update (NVTE_UNFUSED_FP8_UPDATE=1)."""
     from transformer_engine.common.recipe import (
         DelayedScaling,
         Float8BlockScaling,
@@ -138,6 +182,9 @@ def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
             dtypes=(fwd, fwd, bwd),
             split_acc=_split_acc(recipe),
             fp8_transpose=fp8_transpose,
+            amax_algo=recipe.amax_compute_algo,
+            margin=float(recipe.margin),
+            fused_update=fused_update,
         )
     if isinstance(recipe, MXFP8BlockScaling):
         # MXFP8BlockScalingRecipeState.make_quantizers (quantization.py:1529-1549): E4M3 or
@@ -188,7 +235,8 @@ def for_linear(recipe, *, fp8_transpose: bool) -> QuantConfig:
                 recipe.w_block_scaling_dim,
                 recipe.grad_block_scaling_dim,
             ),
-            split_acc=_split_acc(recipe),
+            # TE's general_gemm forces the split accumulator for block-scaled operands.
+            split_acc=(True, True, True),
             fp8_transpose=fp8_transpose,
         )
     raise TypeError(f"no QuantConfig for {type(recipe).__name__}")

@@ -8,8 +8,9 @@ the driver) and writes no module state, so a traced step is replayable as is.
 
 Recipes: none (bf16/fp16/fp32), Float8CurrentScaling, Float8BlockScaling, DelayedScaling,
 MXFP8BlockScaling and NVFP4BlockScaling (the last two on Blackwell, as in eager TE).
-DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`, created once at trace
-time (fp8_state.py) and mutated in place by the ops.
+DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`; FP8 weight caches
+(is_first_microbatch) are tensors on the module. Both are created at trace time
+(persistent_state.py) and mutated in place by the ops.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..errors import UnsupportedUnderCompileError
+from ..ops.fp8_operands import CACHEABLE_KINDS
 from ..patching import Swap
-from ..recipes import QuantConfig, for_linear
+from ..recipes import DelayedFields, QuantConfig, for_linear
+from . import persistent_state
 
 # Devices the compiled path accepts. Tests add "meta" to trace backward without a GPU (the
 # autograd engine queries the CUDA driver for fake CUDA tensors).
@@ -36,16 +39,30 @@ def _unsupported(option: str, fix: str = "") -> UnsupportedUnderCompileError:
     )
 
 
-def _check_module(m, is_first_microbatch, fp8_output, fp8_grad, fp8: bool) -> None:
+def _check_module(m, is_first_microbatch, fp8_output, fp8_grad, cfg: QuantConfig) -> None:
     """Every te.Linear option eager TE honours that this path does not: raise, naming it."""
     from transformer_engine.debug.pytorch.debug_state import TEDebugState
     from transformer_engine.pytorch import cpu_offload, distributed
 
+    fp8 = cfg.fp8
     if m.fuse_wgrad_accumulation:
-        raise _unsupported("fuse_wgrad_accumulation=True", "set fuse_wgrad_accumulation=False")
-    if fp8 and is_first_microbatch is not None:
+        weight = getattr(m, m.weight_names[0])
+        if getattr(weight, "main_grad", None) is None:
+            raise RuntimeError(
+                "te.Linear(fuse_wgrad_accumulation=True) needs weight.main_grad to be set "
+                "before the forward (te_compile reads it when tracing)"
+            )
+        for attr in ("grad_added_to_main_grad", "overwrite_main_grad", "zero_out_wgrad"):
+            if hasattr(weight, attr):
+                raise _unsupported(
+                    f"fuse_wgrad_accumulation with a weight carrying {attr!r} (Megatron-Core "
+                    "DDP's hook attributes)",
+                    "accumulate into weight.main_grad without those attributes",
+                )
+    if fp8 and is_first_microbatch is not None and cfg.kind not in CACHEABLE_KINDS:
         raise _unsupported(
-            "is_first_microbatch (FP8 weight caching)", "pass is_first_microbatch=None"
+            f"is_first_microbatch (FP8 weight caching) with {cfg.kind}",
+            "pass is_first_microbatch=None",
         )
     # Without FP8 these are inert in eager TE (no quantizers), so only FP8 refuses them.
     if fp8 and fp8_output:
@@ -118,7 +135,9 @@ def _quant_config(recipe) -> QuantConfig:
             f"backward_override={recipe.backward_override!r}",
             "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
         )
-    return for_linear(recipe, fp8_transpose=_fp8_transpose_layout())
+    return for_linear(
+        recipe, fp8_transpose=_fp8_transpose_layout(), fused_update=not _unfused_update()
+    )
 
 
 @torch.compiler.assume_constant_result
@@ -162,25 +181,31 @@ def _check_delayed(recipe) -> None:
         )
 
 
-def _delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list, str]:
-    """TE's fp8_meta tensors for the ops, created once at trace time (see fp8_state.py), and
-    the backward update this module runs at the end of its backward."""
+def _delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list]:
+    """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py)."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
 
-    from ..ops.linear import make_update
-    from ..recipes import DelayedFields
-    from .fp8_state import ensure_delayed_state
-
-    ensure_delayed_state(id(m), DelayedFields.values_of(recipe), 1)
+    fields = DelayedFields.values_of(recipe)
+    persistent_state.ensure_delayed_states(fields, 1)
+    if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
+        persistent_state.reinit_delayed_state(id(m), fields, 1)  # made for another recipe
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
-    update = ""
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
     # backward update of every registered state; each compiled module updates its own state at
-    # the end of its backward instead. The flag is still consumed, as TE consumes it.
+    # the end of its backward instead (linear_bwd). The flag is still consumed, as TE does.
     if grad_needed:
         state.is_first_fp8_module()
-        update = make_update(recipe.amax_compute_algo, recipe.margin, not _unfused_update())
-    return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history], update
+    return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
+
+
+def _cached_weight(m, weight, cfg: QuantConfig, fwd_state: list, refresh: bool) -> list:
+    """The module's FP8 weight cache for `cfg`, refreshed as eager TE refreshes its weight
+    workspace: always on a first microbatch, otherwise only while it holds nothing."""
+    persistent_state.ensure_weight_caches(cfg.key, tuple(weight.shape), str(weight.dtype))
+    valid, parts = getattr(m, persistent_state.WEIGHT_CACHES_ATTR)[cfg.key]
+    scale, amax = fwd_state or [None, None]
+    torch.ops.te_compile.quantize_weight(weight, parts, valid, scale, amax, cfg.key, refresh)
+    return parts
 
 
 @torch.compiler.assume_constant_result
@@ -233,9 +258,9 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     fp8 = state.is_fp8_enabled()
     if state.is_fp8_calibration():
         raise _unsupported("te.autocast(calibrating=True)", "calibrate eagerly")
-    _check_module(self, is_first_microbatch, fp8_output, fp8_grad, fp8)
     recipe = state.get_fp8_recipe() if fp8 else None
     cfg = _quant_config(recipe) if fp8 else QuantConfig()
+    _check_module(self, is_first_microbatch, fp8_output, fp8_grad, cfg)
 
     weight = getattr(self, self.weight_names[0])
     bias = getattr(self, self.bias_names[0]) if self.use_bias else None
@@ -251,22 +276,30 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     grad_needed = grad and (
         inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    fwd_state, bwd_state, bwd_update = [], [], ""
+    fwd_state, bwd_state = [], []
     if cfg.kind == "delayed":
-        fwd_state, bwd_state, bwd_update = _delayed_state(self, recipe, grad_needed)
+        fwd_state, bwd_state = _delayed_state(self, recipe, grad_needed)
     elif fp8 and grad_needed:
         state.is_first_fp8_module()  # consumed as eager TE consumes it (no state to update)
+    weight_cache = []
+    if fp8 and is_first_microbatch is not None:
+        weight_cache = _cached_weight(self, weight, cfg, fwd_state, bool(is_first_microbatch))
+    main_grad = weight.main_grad if self.fuse_wgrad_accumulation else None
+    # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
+    accumulate = not is_first_microbatch if is_first_microbatch is not None else True
     outputs = torch.ops.te_compile.linear_fwd(
         inp,
         weight,
         fused_bias,
+        fwd_state,
+        bwd_state,
+        weight_cache,
+        main_grad,
+        cfg.key,
         act_dtype,
         save_input,
         save_weight,
-        fwd_state,
-        bwd_state,
-        bwd_update,
-        *cfg.op_args(),
+        accumulate,
     )
     out = outputs[0]
     if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)

@@ -1,7 +1,8 @@
-"""Custom ops, one file per TE kernel family. Arguments are plain values (tensors, numbers,
-strings, lists); TE objects (recipes, quantizers, FP8 storages) are rebuilt inside the ops.
+"""Custom ops, one file per TE kernel family, on a shared core (core.py: TE's GEMM and cached
+quantizers). Arguments are plain values (tensors, numbers, strings, lists; the recipe config is
+one string, `QuantConfig.key`); TE objects (quantizers, FP8 storages) live inside the ops.
 
 Importing this package registers: te_compile::amax_and_scale_update (delayed_scaling.py),
-te_compile::linear_fwd and te_compile::linear_bwd (linear.py)."""
+te_compile::linear_fwd, te_compile::linear_bwd and te_compile::quantize_weight (linear.py)."""
 
 from . import delayed_scaling, linear  # noqa: F401

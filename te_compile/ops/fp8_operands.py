@@ -15,6 +15,8 @@ The `fake_*` helpers compute the same shapes without touching a device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..recipes import ROLES, QuantConfig
@@ -40,24 +42,22 @@ def make_quantizer(
     *,
     rowwise: bool,
     columnwise: bool,
-    state: list[torch.Tensor] | None = None,
-    weight: torch.Tensor | None = None,
+    weight_shape: tuple[int, ...] | None = None,
 ):
-    """The quantizer te.Linear uses for `role`, configured as eager TE configures it.
-    DelayedScaling needs `state` = [scale, amax] of the role's direction, both 1-D over TE's
-    slots: the quantizer reads its scale and max-accumulates its amax in place. The weight
-    role needs the `weight` it will quantize (TE decides scale swizzling from its shape)."""
+    """The quantizer te.Linear uses for `role`, configured as eager TE configures it. Ops take
+    it from core.quantizer, which builds it once per configuration.
+
+    DelayedScaling quantizers are built without state: `core.with_state` points them at a
+    module's scale and amax before each use (the kernel reads the scale and max-accumulates
+    the amax in place). The weight role needs the weight's shape (TE decides scale swizzling
+    from it)."""
     i = ROLES.index(role)
     if cfg.kind == "delayed":
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
-        if state is None or len(state) != 2:
-            raise ValueError("DelayedScaling quantizers need state=[scale, amax]")
-        scale, amax = state
-        slot = DELAYED_SLOT[role]
         q = Float8Quantizer(
-            scale[slot],
-            amax[slot].reshape((1,)),
+            None,  # scale and amax: per module, set by core.with_state
+            None,
             te_fp8_dtype(cfg.dtypes[i]),
             rowwise=rowwise,
             columnwise=columnwise,
@@ -74,7 +74,8 @@ def make_quantizer(
             amax_epsilon=cfg.amax_eps[i],
         )
     elif cfg.kind == "block":
-        q = _block_quantizer(cfg, i, rowwise=rowwise, columnwise=columnwise)
+        # a fresh object: the flags set below must not leak into the cached storage quantizers
+        q = _block_quantizer.__wrapped__(cfg, i, rowwise=rowwise, columnwise=columnwise)
     elif cfg.kind in MX_KINDS:
         q = make_mx_quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise)
     else:
@@ -83,7 +84,7 @@ def make_quantizer(
     # grad-output quantization for GEMM-ready (swizzled) scales (linear.py:2590-2600); the
     # weight's flag is TE's `_enable_weight_preswizzle` (linear.py:2430).
     q.internal = True
-    q.optimize_for_gemm = _weight_preswizzle(q, weight) if role == "weight" else True
+    q.optimize_for_gemm = _weight_preswizzle(q, weight_shape) if role == "weight" else True
     return q
 
 
@@ -94,15 +95,17 @@ class _HighPrecisionWeights:
     primary_weights_in_fp8 = False
 
 
-def _weight_preswizzle(q, weight: torch.Tensor | None) -> bool:
-    if weight is None:
-        raise ValueError("the weight quantizer needs the weight (scale swizzling)")
+def _weight_preswizzle(q, weight_shape: tuple[int, ...] | None) -> bool:
+    if weight_shape is None:
+        raise ValueError("the weight quantizer needs the weight's shape (scale swizzling)")
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    # base.py:1277-1308; False for per-tensor and Float8 block quantizers.
+    # TE reads only the weight's shape; False for per-tensor and Float8 block quantizers.
+    weight = torch.empty(weight_shape, device="meta")
     return TransformerEngineBaseModule._enable_weight_preswizzle(_HighPrecisionWeights, q, weight)
 
 
+@functools.lru_cache(maxsize=1024)
 def _block_quantizer(cfg: QuantConfig, i: int, *, rowwise: bool, columnwise: bool):
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 
@@ -138,35 +141,49 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
     """A TE storage holding only the column-wise half, ready for `general_gemm`."""
     if cfg.kind in MX_KINDS:
         return mx_columnwise_storage(parts, cfg, role, fake_dtype)
-    i = ROLES.index(role)
     data, scale_inv = parts
     if cfg.per_tensor:
-        from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
-            Float8TensorStorage,
-        )
+        if cfg.fp8_transpose:
+            return _per_tensor_storage(cfg, role, None, data, scale_inv, fake_dtype)
+        return _per_tensor_storage(cfg, role, data, None, scale_inv, fake_dtype)
+    return _block_storage(cfg, role, None, None, data, scale_inv, fake_dtype)
 
-        # GEMMs read only data, transpose, scale_inv and dtype: no quantizer needed.
-        return Float8TensorStorage(
-            data=None if cfg.fp8_transpose else data,
-            data_transpose=data if cfg.fp8_transpose else None,
-            fp8_scale_inv=scale_inv,
-            fp8_dtype=te_fp8_dtype(cfg.dtypes[i]),
-            fake_dtype=fake_dtype,
-        )
-    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
-        Float8BlockwiseQTensorStorage,
+
+def _per_tensor_storage(cfg, role, data, transpose, scale_inv, fake_dtype):
+    # GEMMs read only data, transpose, scale_inv and dtype: no quantizer needed.
+    return _storage_classes()[0](
+        data=data,
+        data_transpose=transpose,
+        fp8_scale_inv=scale_inv,
+        fp8_dtype=te_fp8_dtype(cfg.dtypes[ROLES.index(role)]),
+        fake_dtype=fake_dtype,
     )
 
-    return Float8BlockwiseQTensorStorage(
-        None,
-        None,
+
+def _block_storage(cfg, role, data, scale_inv, col_data, col_scale_inv, fake_dtype):
+    i = ROLES.index(role)
+    return _storage_classes()[1](
         data,
         scale_inv,
+        col_data,
+        col_scale_inv,
         te_fp8_dtype(cfg.dtypes[i]),
-        _block_quantizer(cfg, i, rowwise=False, columnwise=True),
+        _block_quantizer(cfg, i, rowwise=data is not None, columnwise=col_data is not None),
         cfg.block_dims[i] == 2,
         fake_dtype=fake_dtype,
     )
+
+
+@functools.cache
+def _storage_classes():
+    from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
+        Float8BlockwiseQTensorStorage,
+    )
+    from transformer_engine.pytorch.tensor.storage.float8_tensor_storage import (
+        Float8TensorStorage,
+    )
+
+    return Float8TensorStorage, Float8BlockwiseQTensorStorage
 
 
 def columnwise_count(cfg: QuantConfig) -> int:
@@ -205,3 +222,51 @@ def fake_columnwise_parts(shape, cfg: QuantConfig, role: str, like: torch.Tensor
         like.new_empty(_transposed(shape), dtype=torch.uint8),
         like.new_empty(list(q.get_scale_shape(shape, columnwise=True)), dtype=torch.float32),
     ]
+
+
+# ---- FP8 weight caches (is_first_microbatch) ----------------------------------------------------
+#
+# A cached quantized weight is a list of plain tensors a module keeps across steps:
+# - "current"/"delayed": [data, transpose, scale_inv] ([data, scale_inv] without a separate
+#   transpose): row-wise data uint8 [out, in], its transpose uint8 [in, out], float32 [1].
+# - "block": [data, scale_inv, columnwise_data, columnwise_scale_inv].
+# Both halves are always kept: forward reads the row-wise half, backward the column-wise one.
+
+CACHEABLE_KINDS = ("current", "delayed", "block")
+
+
+def weight_cache_specs(cfg: QuantConfig, shape) -> list[tuple[list[int], torch.dtype]]:
+    """(shape, dtype) of each tensor of a cached `shape` weight."""
+    shape = list(shape)
+    if cfg.per_tensor:
+        specs = [(shape, torch.uint8)]
+        if cfg.fp8_transpose:
+            specs.append((_transposed(shape), torch.uint8))
+        return [*specs, ([1], torch.float32)]
+    if cfg.kind == "block":
+        q = _block_quantizer(cfg, ROLES.index("weight"), rowwise=True, columnwise=True)
+        return [
+            (shape, torch.uint8),
+            (list(q.get_scale_shape(shape, columnwise=False)), torch.float32),
+            (_transposed(shape), torch.uint8),
+            (list(q.get_scale_shape(shape, columnwise=True)), torch.float32),
+        ]
+    raise ValueError(f"no FP8 weight cache for QuantConfig kind {cfg.kind!r}")
+
+
+def weight_cache_storage(parts: list[torch.Tensor], cfg: QuantConfig, fake_dtype):
+    """The TE storage (both halves) over a weight cache's tensors, for GEMMs and for
+    quantizing into it."""
+    if cfg.per_tensor:
+        data, *transpose, scale_inv = parts
+        return _per_tensor_storage(
+            cfg, "weight", data, transpose[0] if transpose else None, scale_inv, fake_dtype
+        )
+    return _block_storage(cfg, "weight", *parts, fake_dtype)
+
+
+def weight_cache_columnwise(parts: list[torch.Tensor], cfg: QuantConfig) -> list[torch.Tensor]:
+    """The cache's column-wise parts, in the layout of `columnwise_parts`."""
+    if cfg.per_tensor:
+        return [parts[1] if cfg.fp8_transpose else parts[0], parts[-1]]
+    return parts[2:]

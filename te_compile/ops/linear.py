@@ -1,23 +1,27 @@
 """te.Linear's forward and backward as custom ops running TE's own kernels.
 
-    te_compile::linear_fwd(inp, weight, bias?, out_dtype, save_input, save_weight,
-                           fwd_state, bwd_state, bwd_update, *quant)
+    te_compile::linear_fwd(inp, weight, bias?, fwd_state, bwd_state, weight_cache, main_grad?,
+                           config, out_dtype, save_input, save_weight, accumulate)
         -> [out, *input_parts, *weight_parts] (+ [fwd_amax] with DelayedScaling)
-    te_compile::linear_bwd(grad_out, inp?, weight?, bias?, has_bias, input_parts, weight_parts,
-                           bwd_scale!?, bwd_history!?, bwd_update, out_dtype, in_features, needs_dgrad,
-                           needs_wgrad, *quant)
+    te_compile::linear_bwd(grad_out, inp?, weight?, bias?, input_parts, weight_parts,
+                           bwd_scale!?, bwd_history!?, main_grad!?, config, out_dtype,
+                           in_features, has_bias, needs_dgrad, needs_wgrad, accumulate)
         -> (dgrad, wgrad, dbias), each empty ([0]) when not computed (a mutating op may not
            return a list)
+    te_compile::quantize_weight(weight, cache!, valid!, fwd_scale?, fwd_amax!?, config, refresh)
 
-`*quant` is `QuantConfig.op_args()`; `!` marks state mutated in place (DelayedScaling's
-TE-owned scale and amax-history tensors; empty lists for other recipes). linear_fwd carries an
-autograd formula, so it may not mutate: it returns the new forward amaxes for the caller to
-write back. With FP8, forward also returns what backward needs as
-plain tensors (the column-wise half of the quantized input, when wgrad is needed, and of the
-quantized weight, when dgrad is needed; see fp8_operands.py): the halves the backward GEMMs
-read (eager TE keeps the input's column-wise half only, but the whole quantized weight).
-Without FP8, the saved tensors are the op's own inputs. The GEMM calls pass the arguments
-eager TE's `_linear_forward_impl`/`_linear_backward_impl` pass (TE 2.20.2).
+`config` is `QuantConfig.key` (one string, decoded by a cached lookup); `!` marks tensors
+mutated in place: DelayedScaling's TE-owned scale and amax history, an FP8 weight cache,
+`weight.main_grad` under fuse_wgrad_accumulation.
+
+linear_fwd carries an autograd formula, so it may not mutate: with DelayedScaling it returns the
+new forward amaxes for the caller to write back. With FP8, forward also returns what backward
+needs as plain tensors (the column-wise half of the quantized input, when wgrad is needed, and
+of the quantized weight, when dgrad is needed; see fp8_operands.py). A cached FP8 weight
+(`weight_cache`, filled by quantize_weight) is read instead of quantizing, and backward reads
+its column-wise half straight from the cache. Without FP8, the saved tensors are the op's own
+inputs. The GEMMs get the arguments eager TE's `_linear_forward_impl`/`_linear_backward_impl`
+pass (TE 2.20.2); fuse_wgrad_accumulation writes the wgrad GEMM into `main_grad`.
 """
 
 from __future__ import annotations
@@ -25,14 +29,17 @@ from __future__ import annotations
 import torch
 
 from ..recipes import QuantConfig
+from . import core
 from .delayed_scaling import update_amax_and_scale
 from .fp8_operands import (
+    DELAYED_SLOT,
     check_scale_layout,
     columnwise_count,
     columnwise_parts,
     columnwise_storage,
     fake_columnwise_parts,
-    make_quantizer,
+    weight_cache_columnwise,
+    weight_cache_storage,
 )
 
 
@@ -40,10 +47,14 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _gemm(*args, **kwargs):
-    from transformer_engine.pytorch.cpp_extensions import general_gemm
-
-    return general_gemm(*args, **kwargs)
+def _quantizer(cfg: QuantConfig, role: str, rowwise: bool, columnwise: bool, state, shape=None):
+    """The cached TE quantizer for `role`; DelayedScaling points it at `state` = [scale, amax]
+    (1-D over TE's slots of the role's direction)."""
+    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
+    if state is not None:
+        slot = DELAYED_SLOT[role]
+        core.with_state(q, state[0][slot], state[1][slot : slot + 1])
+    return q
 
 
 # ---- forward -----------------------------------------------------------------------------------
@@ -54,71 +65,60 @@ def linear_fwd(
     inp: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
+    fwd_state: list[torch.Tensor],
+    bwd_state: list[torch.Tensor],
+    weight_cache: list[torch.Tensor],
+    main_grad: torch.Tensor | None,
+    config: str,
     out_dtype: torch.dtype,
     save_input: bool,
     save_weight: bool,
-    fwd_state: list[torch.Tensor],
-    bwd_state: list[torch.Tensor],
-    bwd_update: str,
-    kind: str,
-    dtypes: str,
-    pow2: list[bool],
-    amax_eps: list[float],
-    block_dims: list[int],
-    split_acc: list[bool],
-    fp8_transpose: bool,
-    rht: list[bool],
-    stochastic_rounding: list[bool],
+    accumulate: bool,
 ) -> list[torch.Tensor]:
-    """y = inp @ weight.T + bias, with FP8 operands when `kind` is not "none".
+    """y = inp @ weight.T + bias, with FP8 operands when the config's kind is not "none".
 
     DelayedScaling only: `fwd_state` = [scale, latest amaxes] (TE's `scale` and
     `amax_history[0]` of the forward slots); the op quantizes with those scales, max-accumulates
     into a copy of the amaxes and returns it last, for the caller to write back into the
-    history. `bwd_state` = [scale, amax_history] of the backward slots, unused here but handed to
-    the backward op, which mutates it and runs the backward amax/scale update described by
-    `bwd_update` ("" for none, else "algo,margin,fused"; see `parse_update`)."""
-    cfg = QuantConfig.from_op_args(
-        kind,
-        dtypes,
-        pow2,
-        amax_eps,
-        block_dims,
-        split_acc,
-        fp8_transpose,
-        rht,
-        stochastic_rounding,
-    )
+    history. `bwd_state` = [scale, amax_history] of the backward slots and `main_grad` (with
+    `accumulate`, see linear_bwd) are unused here: they ride along to the backward op."""
+    cfg = QuantConfig.from_key(config)
+    dev = inp.device.index
     if not cfg.fp8:
-        out, *_ = _gemm(
+        out, _ = core.gemm(
             _cast(weight, out_dtype),
             _cast(inp, out_dtype),
+            layout="TN",
             out_dtype=out_dtype,
             bias=_cast(bias, out_dtype),
-            use_split_accumulator=cfg.split_acc[0],
+            split_accumulator=cfg.split_acc[0],
+            device_index=dev,
         )
         return [out]
     # Column-wise halves are produced only when backward will read them, as in eager TE.
     state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
-    x = make_quantizer(cfg, "input", rowwise=True, columnwise=save_input, state=state)(inp)
-    w = make_quantizer(
-        cfg, "weight", rowwise=True, columnwise=save_weight, state=state, weight=weight
-    )(weight)
+    x = core.quantize(inp, _quantizer(cfg, "input", True, save_input, state))
+    if weight_cache:
+        w = weight_cache_storage(weight_cache, cfg, out_dtype)
+    else:
+        wq = _quantizer(cfg, "weight", True, save_weight, state, tuple(weight.shape))
+        w = core.quantize(weight, wq)
     # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
     bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    out, *_ = _gemm(
+    out, _ = core.gemm(
         w,
         x,
+        layout="TN",
         out_dtype=out_dtype,
         bias=_cast(bias, bias_dtype),
-        use_split_accumulator=cfg.split_acc[0],
+        split_accumulator=cfg.split_acc[0],
+        device_index=dev,
     )
     saved = []
     if save_input:
         check_scale_layout(x, cfg, "input", inp.shape)
-        x.update_usage(rowwise_usage=False, columnwise_usage=True)  # row-wise is dead now
         saved += columnwise_parts(x, cfg)
-    if save_weight:
+    if save_weight and not weight_cache:  # a cached weight is saved from the cache itself
         check_scale_layout(w, cfg, "weight", weight.shape)
         saved += columnwise_parts(w, cfg)
     return [out, *saved, *([state[1]] if state else [])]
@@ -126,18 +126,61 @@ def linear_fwd(
 
 @linear_fwd.register_fake
 def _(
-    inp, weight, bias, out_dtype, save_input, save_weight, fwd_state, bwd_state, bwd_update, *quant
+    inp,
+    weight,
+    bias,
+    fwd_state,
+    bwd_state,
+    weight_cache,
+    main_grad,
+    config,
+    out_dtype,
+    save_input,
+    save_weight,
+    accumulate,
 ):
-    cfg = QuantConfig.from_op_args(*quant)
+    cfg = QuantConfig.from_key(config)
     out = inp.new_empty([*inp.shape[:-1], weight.shape[0]], dtype=out_dtype)
     saved = []
     if cfg.fp8 and save_input:
         saved += fake_columnwise_parts(inp.shape, cfg, "input", inp)
-    if cfg.fp8 and save_weight:
+    if cfg.fp8 and save_weight and not weight_cache:
         saved += fake_columnwise_parts(weight.shape, cfg, "weight", inp)
     if fwd_state:
         saved.append(torch.empty_like(fwd_state[1]))
     return [out, *saved]
+
+
+# ---- FP8 weight cache --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("te_compile::quantize_weight", mutates_args=("cache", "valid", "fwd_amax"))
+def quantize_weight(
+    weight: torch.Tensor,
+    cache: list[torch.Tensor],
+    valid: torch.Tensor,
+    fwd_scale: torch.Tensor | None,
+    fwd_amax: torch.Tensor | None,
+    config: str,
+    refresh: bool,
+) -> None:
+    """Quantize `weight` into its FP8 cache (both halves), as eager TE's weight workspace.
+
+    `refresh` (is_first_microbatch=True): always. Otherwise (False) only while the cache holds
+    nothing yet: `valid` (float32 [1], 1 once filled) is TE's noop flag, so the GPU skips the
+    kernels without a host sync. DelayedScaling records the weight's amax into `fwd_amax`
+    (TE's amax_history[0] of the forward slots) when it quantizes."""
+    cfg = QuantConfig.from_key(config)
+    state = [fwd_scale, fwd_amax] if fwd_scale is not None else None
+    q = _quantizer(cfg, "weight", True, True, state, tuple(weight.shape))
+    out = weight_cache_storage(cache, cfg, weight.dtype)
+    core.quantize_into(weight, q, out, None if refresh else valid)
+    valid.fill_(1.0)
+
+
+@quantize_weight.register_fake
+def _(weight, cache, valid, fwd_scale, fwd_amax, config, refresh) -> None:
+    return None
 
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -148,59 +191,36 @@ def _returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
     return has_bias and (cfg.fp8 or needs_wgrad)
 
 
-def make_update(amax_compute_algo: str, margin: float, fused: bool) -> str:
-    """The backward amax/scale update spec `linear_fwd` carries to `linear_bwd` (plain string:
-    op schemas have no records)."""
-    return f"{amax_compute_algo},{float(margin)!r},{int(fused)}"
-
-
-def parse_update(spec: str) -> tuple[str, float, bool]:
-    algo, margin, fused = spec.split(",")
-    return algo, float(margin), bool(int(fused))
-
-
-@torch.library.custom_op("te_compile::linear_bwd", mutates_args=("bwd_scale", "bwd_history"))
+@torch.library.custom_op(
+    "te_compile::linear_bwd", mutates_args=("bwd_scale", "bwd_history", "main_grad")
+)
 def linear_bwd(
     grad_out: torch.Tensor,
     inp: torch.Tensor | None,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
-    has_bias: bool,
     input_parts: list[torch.Tensor],
     weight_parts: list[torch.Tensor],
     bwd_scale: torch.Tensor | None,
     bwd_history: torch.Tensor | None,
-    bwd_update: str,
+    main_grad: torch.Tensor | None,
+    config: str,
     out_dtype: torch.dtype,
     in_features: int,
+    has_bias: bool,
     needs_dgrad: bool,
     needs_wgrad: bool,
-    kind: str,
-    dtypes: str,
-    pow2: list[bool],
-    amax_eps: list[float],
-    block_dims: list[int],
-    split_acc: list[bool],
-    fp8_transpose: bool,
-    rht: list[bool],
-    stochastic_rounding: list[bool],
+    accumulate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
     bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
-    carry the operands."""
-    cfg = QuantConfig.from_op_args(
-        kind,
-        dtypes,
-        pow2,
-        amax_eps,
-        block_dims,
-        split_acc,
-        fp8_transpose,
-        rht,
-        stochastic_rounding,
-    )
-    in_shape = [*grad_out.shape[:-1], in_features]
-    g = grad_out.reshape(-1, grad_out.shape[-1]).contiguous()
+    carry the operands. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
+    it, adding to its contents when `accumulate`, and the returned wgrad is empty."""
+    cfg = QuantConfig.from_key(config)
+    dev = grad_out.device.index
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    if not g.is_contiguous():
+        g = g.contiguous()
     if cfg.fp8:
         # DelayedScaling: the latest amaxes are row 0 of the history
         state = [bwd_scale, bwd_history[0]] if bwd_history is not None else None
@@ -218,52 +238,58 @@ def linear_bwd(
 
     dgrad, wgrad = none(), none()
     if needs_dgrad:
-        dgrad, *_ = _gemm(
+        dgrad, _ = core.gemm(
             w,
             g,
             layout="NN",
             grad=True,
             out_dtype=out_dtype,
-            use_split_accumulator=cfg.split_acc[1],
+            split_accumulator=cfg.split_acc[1],
+            device_index=dev,
         )
-        dgrad = dgrad.view(in_shape)
+        dgrad = dgrad.view([*grad_out.shape[:-1], in_features])
     if needs_wgrad:
-        wgrad, gemm_dbias, *_ = _gemm(
+        into_main_grad = main_grad is not None
+        result, gemm_dbias = core.gemm(
             x,
             g,
             layout="NT",
             grad=True,
-            out_dtype=out_dtype,
+            out_dtype=main_grad.dtype if into_main_grad else out_dtype,
             bias=wgrad_bias,
-            use_split_accumulator=cfg.split_acc[2],
+            split_accumulator=cfg.split_acc[2],
+            out=main_grad,
+            accumulate=into_main_grad and accumulate,
+            device_index=dev,
         )
+        if not into_main_grad:
+            wgrad = result
         if dbias is None:
             dbias = gemm_dbias
     if not _returns_dbias(cfg, has_bias, needs_wgrad):
         dbias = none()
-    if bwd_update:
+    if bwd_history is not None:
         # Eager TE updates every registered backward state once, at the end of the first FP8
         # module's backward; per (history, scale) pair that is this update at the end of the
         # module's own backward (see docs/architecture.md for when the two differ).
-        algo, margin, fused = parse_update(bwd_update)
-        update_amax_and_scale([bwd_history], [bwd_scale], algo, cfg.dtypes[2], margin, fused)
+        update_amax_and_scale(
+            [bwd_history], [bwd_scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update
+        )
     return dgrad, wgrad, dbias
 
 
 def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state):
     """grad_output quantization as TE's grad_output_preprocess does it: both halves (dgrad
     reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
-    q = make_quantizer(cfg, "grad", rowwise=True, columnwise=has_bias or needs_wgrad, state=state)
+    q = _quantizer(cfg, "grad", True, has_bias or needs_wgrad, state)
     if not has_bias:
-        return q(g), None
+        return core.quantize(g, q), None
     if cfg.kind == "block":  # TE runs dbias unfused for block scaling
-        return q(g), g.view(-1, g.shape[-1]).sum(dim=0)
-    import transformer_engine_torch as tex
-
-    # As grad_output_preprocess (base.py:1774-1786): bgrad_quantize fuses dbias into the cast
-    # for per-tensor FP8 (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4
-    # it sums in high precision, then quantizes (bias.cpp:58-79).
-    dbias, g_fp8 = tex.bgrad_quantize(g, q)
+        return core.quantize(g, q), g.sum(dim=0)
+    # As grad_output_preprocess: bgrad_quantize fuses dbias into the cast for per-tensor FP8
+    # (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4 it sums in high
+    # precision, then quantizes (TE's bias.cpp).
+    dbias, g_fp8 = core.bgrad_quantize(g, q)
     return g_fp8, dbias
 
 
@@ -273,19 +299,20 @@ def _(
     inp,
     weight,
     bias,
-    has_bias,
     input_parts,
     weight_parts,
     bwd_scale,
     bwd_history,
-    bwd_update,
+    main_grad,
+    config,
     out_dtype,
     in_features,
+    has_bias,
     needs_dgrad,
     needs_wgrad,
-    *quant,
+    accumulate,
 ):
-    cfg = QuantConfig.from_op_args(*quant)
+    cfg = QuantConfig.from_key(config)
     out_features = grad_out.shape[-1]
 
     def empty(shape, wanted: bool):
@@ -293,7 +320,7 @@ def _(
 
     return (
         empty([*grad_out.shape[:-1], in_features], needs_dgrad),
-        empty([out_features, in_features], needs_wgrad),
+        empty([out_features, in_features], needs_wgrad and main_grad is None),
         empty([out_features], _returns_dbias(cfg, has_bias, needs_wgrad)),
     )
 
@@ -302,24 +329,38 @@ def _(
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    inp, weight, bias, out_dtype, save_input, save_weight, fwd_state, bwd_state, bwd_update = (
-        inputs[:9]
-    )
-    quant = inputs[9:]
-    cfg = QuantConfig.from_op_args(*quant)
-    ctx.quant = quant
+    (
+        inp,
+        weight,
+        bias,
+        fwd_state,
+        bwd_state,
+        weight_cache,
+        main_grad,
+        config,
+        out_dtype,
+        save_input,
+        save_weight,
+        accumulate,
+    ) = inputs
+    cfg = QuantConfig.from_key(config)
+    ctx.config = config
     ctx.n_fwd_state = len(fwd_state)
+    ctx.n_weight_cache = len(weight_cache)
     # Mutable state rides on ctx, not save_for_backward: backward mutates it in place, which
     # the saved-tensor version check would reject.
     ctx.bwd_state = bwd_state
-    ctx.bwd_update = bwd_update
+    ctx.main_grad = main_grad
+    ctx.accumulate = accumulate
     ctx.out_dtype = out_dtype
     ctx.in_features = weight.shape[1]
     ctx.has_bias = bias is not None
     ctx.n_input_parts = columnwise_count(cfg) if save_input else 0
     ctx.mark_non_differentiable(*output[1:])
-    saved = output[1 : len(output) - (1 if fwd_state else 0)]  # not the returned amaxes
+    saved = list(output[1 : len(output) - (1 if fwd_state else 0)])  # not the returned amaxes
     if cfg.fp8:
+        if save_weight and weight_cache:
+            saved += weight_cache_columnwise(weight_cache, cfg)
         ctx.save_for_backward(None, None, None, *saved)
     else:
         # The op's own inputs; the dtype cast is redone in backward (same bits, no copy kept).
@@ -333,13 +374,15 @@ def _setup_context(ctx, inputs, output) -> None:
 def _no_grads(ctx) -> tuple:
     """None for every input after (inp, weight, bias); tensor-list inputs get lists of None."""
     return (
+        [None] * ctx.n_fwd_state,
+        [None] * len(ctx.bwd_state),
+        [None] * ctx.n_weight_cache,
+        None,  # main_grad
+        None,  # config
         None,  # out_dtype
         None,  # save_input
         None,  # save_weight
-        [None] * ctx.n_fwd_state,
-        [None] * len(ctx.bwd_state),
-        None,  # bwd_update
-        *[None] * len(ctx.quant),
+        None,  # accumulate
     )
 
 
@@ -351,26 +394,27 @@ def _backward(ctx, grads):
         return None, None, None, *nones
     inp, weight, bias, *parts = ctx.saved_tensors
     n = ctx.n_input_parts
-    result = torch.ops.te_compile.linear_bwd(
+    dgrad, wgrad, dbias = torch.ops.te_compile.linear_bwd(
         grad_out,
         inp,
         weight,
         bias,
-        ctx.has_bias,
         parts[:n],
         parts[n:],
         *(ctx.bwd_state or [None, None]),
-        ctx.bwd_update,
+        ctx.main_grad,
+        ctx.config,
         ctx.out_dtype,
         ctx.in_features,
+        ctx.has_bias,
         needs_dgrad,
         needs_wgrad,
-        *ctx.quant,
+        ctx.accumulate,
     )
-    dgrad, wgrad, dbias = result
+    cfg = QuantConfig.from_key(ctx.config)
     dgrad = dgrad if needs_dgrad else None
-    wgrad = wgrad if needs_wgrad else None
-    cfg = QuantConfig.from_op_args(*ctx.quant)
+    # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
+    wgrad = wgrad if needs_wgrad and ctx.main_grad is None else None
     dbias = dbias if _returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None
     return dgrad, wgrad, dbias if needs_dbias else None, *nones
 

@@ -22,7 +22,7 @@ from transformer_engine.pytorch.tensor import nvfp4_tensor
 import te_compile.modules.linear as module_linear
 from te_compile.ops import operands_mx
 from te_compile.ops.fp8_operands import make_quantizer
-from te_compile.recipes import for_linear
+from te_compile.recipes import QuantConfig, for_linear
 from te_compile_testing import JointRecorder, op_targets
 
 IN, OUT = 64, 32
@@ -90,8 +90,8 @@ def test_forward_one_graph(
     assert len(backend.graphs) == 1 and graph_breaks() == 0
     assert op_targets(backend.graphs).count("te_compile.linear_fwd") == 1
     node = fwd_node(backend.graphs)
-    kind_index = [a.name for a in torch.ops.te_compile.linear_fwd.default._schema.arguments]
-    assert node.args[kind_index.index("kind")] == name
+    names = [a.name for a in torch.ops.te_compile.linear_fwd.default._schema.arguments]
+    assert QuantConfig.from_key(node.args[names.index("config")]).kind == name
 
 
 # ---- forward + backward, meta ------------------------------------------------------------------
@@ -223,7 +223,7 @@ def test_quantizers_match_te_recipe_state(recipe_name, role, pretend, nvfp4_with
         role,
         rowwise=True,
         columnwise=True,
-        weight=torch.empty(OUT, IN, device="meta"),
+        weight_shape=(OUT, IN),
     )
     theirs = te_linear_quantizer(recipe, role)
     assert type(ours) is type(theirs)  # C++ dispatches on the exact type
@@ -320,8 +320,7 @@ def test_rebuilt_storage_matches_te(name, role, shape, pretend, nvfp4_without_gp
 
     pretend("blackwell")
     cfg = for_linear(RECIPES[name](), fp8_transpose=False)
-    weight = torch.empty(shape, device="meta")
-    quantizer = make_quantizer(cfg, role, rowwise=False, columnwise=True, weight=weight)
+    quantizer = make_quantizer(cfg, role, rowwise=False, columnwise=True, weight_shape=shape)
     if name == "nvfp4":  # TE's C++ asks the GPU's SM version for NVFP4's scale layout
         quantizer.optimize_for_gemm = False
     theirs = quantizer.make_empty(shape, dtype=torch.bfloat16, device="meta")

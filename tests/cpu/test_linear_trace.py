@@ -16,6 +16,7 @@ from conftest import compile_fullgraph, recipe_instances
 from transformer_engine.common import recipe as R
 
 import te_compile.modules.linear as module_linear
+from te_compile.recipes import QuantConfig
 from te_compile_testing import JointRecorder
 
 FWD, BWD = "te_compile.linear_fwd", "te_compile.linear_bwd"
@@ -92,7 +93,7 @@ def test_forward_one_graph(
     targets = backend.targets()
     assert targets.count(FWD) == 1, targets
     node = next(n for n in backend.graphs[0].graph.nodes if str(n.target) == FWD)
-    assert op_arg(node, "kind") == name  # the flattened recipe kind
+    assert QuantConfig.from_key(op_arg(node, "config")).kind == name  # the decoded recipe
 
 
 def test_no_grad_saves_nothing(patched, fake_gpu, fake_cuda, backend, monkeypatch):
@@ -114,7 +115,7 @@ def test_blackwell_keeps_rowwise_layout_for_saved_fp8(patched, fake_gpu, monkeyp
     x = input_of((32, IN), "meta", True)
     torch.compile(in_autocast(linear, R.Float8CurrentScaling()), backend=rec.backend)(x)
     node = next(n for n in rec.fw[0].graph.nodes if "linear_fwd" in str(n.target))
-    assert op_arg(node, "fp8_transpose") is False
+    assert QuantConfig.from_key(op_arg(node, "config")).fp8_transpose is False
     saved_input = node.meta["val"][1]
     assert tuple(saved_input.shape) == (32, IN) and saved_input.dtype == torch.uint8
 
@@ -173,7 +174,6 @@ def test_fp32_activations(name, patched, fake_gpu, graph_breaks, monkeypatch):
 
 
 UNSUPPORTED_MODULE_OPTIONS = {
-    "fuse_wgrad_accumulation": dict(fuse_wgrad_accumulation=True),
     "delay_wgrad_compute": dict(delay_wgrad_compute=True),
     "save_original_input": dict(save_original_input=True),
 }
@@ -216,7 +216,6 @@ def test_unsupported_module_state_is_named(
 @pytest.mark.parametrize(
     "call_kwargs,option",
     [
-        (dict(is_first_microbatch=True), "is_first_microbatch"),
         (dict(fp8_output=True), "fp8_output"),
         (dict(fp8_grad=True), "fp8_grad"),
     ],

@@ -31,7 +31,7 @@ def test_linear_ops_opcheck_on_fake(name, bias, fake_gpu, fake_cuda):
     fake_gpu(RECIPES[name][1])
     make, _ = RECIPES[name]
     args = linear_cases.fwd_args(
-        for_linear(make(), fp8_transpose=True).op_args(), bias, name == "delayed"
+        for_linear(make(), fp8_transpose=True).key, bias, name == "delayed"
     )
     torch.library.opcheck(torch.ops.te_compile.linear_fwd.default, args)
     torch.library.opcheck(torch.ops.te_compile.linear_bwd.default, linear_cases.bwd_args(args))

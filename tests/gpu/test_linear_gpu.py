@@ -159,7 +159,7 @@ def _quant(name):
     from te_compile.modules.linear import _quant_config
     from te_compile.recipes import QuantConfig
 
-    return (QuantConfig() if name == "none" else _quant_config(recipe_for(name))).op_args()
+    return (QuantConfig() if name == "none" else _quant_config(recipe_for(name))).key
 
 
 def _fwd_args(name, bias=True):

@@ -1,0 +1,115 @@
+"""State a compiled TE module keeps across steps: DelayedScaling's amax history and scale
+(TE's own `fp8_meta`) and FP8 weight caches (is_first_microbatch).
+
+Traced code may only read state that exists before the graph runs, so it is created at trace
+time, eagerly, by `assume_constant_result` functions: dynamo runs them for real while tracing
+instead of tracing them, and they are idempotent, so that is safe. The traced code then reads
+the real tensors as graph inputs and the ops mutate them in place.
+
+Regional compilation (one `torch.compile` per transformer block, as torchtitan does) reuses one
+graph for N identical blocks only if nothing in the trace names a module instance. So these
+functions take no module: the first trace creates the state of every live te.Linear that needs
+it (`ensure_*`), found by a scan of the garbage collector's objects, and the traced code then
+only checks a plain attribute whose value is the same in every block. A module whose
+DelayedScaling state was made for another recipe is the one case handled per instance
+(`reinit_delayed_state`); changing a recipe costs a recompile anyway.
+
+Creating state for modules that never run is harmless: an unrun module's history stays zero
+and its scale 1.0 through TE's updates, as a fresh one's would.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import torch
+
+from ..ops.fp8_operands import weight_cache_specs
+from ..recipes import DelayedFields, QuantConfig
+
+# Module attributes (plain values, so guards compare values, not identities).
+DELAYED_ATTR = "_te_compile_delayed"  # the DelayedFields tuple the state was made for
+WEIGHT_CACHES_ATTR = "_te_compile_weight_caches"  # {config key: (valid, [cache tensors])}
+
+
+def _live_linears() -> list:
+    from transformer_engine.pytorch.module.linear import Linear
+
+    # type() first: isinstance() on a dead weakref proxy raises ReferenceError.
+    return [
+        obj
+        for obj in gc.get_objects()
+        if type(obj) not in weakref.ProxyTypes and isinstance(obj, Linear)
+    ]
+
+
+def _init_delayed(module, fields: tuple, num_gemms: int) -> None:
+    """Create and register TE's DelayedScaling state for `module`, as eager TE's first FP8
+    forward would."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    recipe = DelayedFields(*fields).recipe()
+    # TE's own initialisation reads the autocast state; give it this recipe for the call.
+    saved = manager.get_autocast_state()
+    state = manager.quantization_state
+    try:
+        state.fp8_enabled, state.fp8_calibration = True, False
+        state.fp8_recipe, state.fp8_distributed_group = recipe, None
+        module.init_fp8_metadata(num_gemms=num_gemms)
+    finally:
+        manager.set_autocast_state(saved)
+    manager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
+    # The forward update at autocast exit looks the recipe up by key: record it here, where
+    # the tensors are registered (the compiled autocast does not write this dict).
+    key = manager.get_unique_autocast_key(recipe, None)
+    state.autocast_arguments.setdefault(key, (recipe, None))
+    setattr(module, DELAYED_ATTR, fields)
+
+
+@torch.compiler.assume_constant_result
+def ensure_delayed_states(fields: tuple, num_gemms: int) -> bool:
+    """DelayedScaling state (for the recipe `fields`) for every live te.Linear that has no FP8
+    state yet; modules set up by eager TE for another recipe are left alone."""
+    for module in _live_linears():
+        if getattr(module, DELAYED_ATTR, None) is not None:
+            continue
+        if (
+            module.fp8_initialized
+            and module.fp8_meta.get("recipe") != DelayedFields(*fields).recipe()
+        ):
+            continue
+        _init_delayed(module, fields, num_gemms)
+    return True
+
+
+@torch.compiler.assume_constant_result
+def reinit_delayed_state(module_id: int, fields: tuple, num_gemms: int) -> bool:
+    """DelayedScaling state for the recipe `fields` for one module that has state for another."""
+    for module in _live_linears():
+        if id(module) == module_id:
+            _init_delayed(module, fields, num_gemms)
+            return True
+    raise RuntimeError(f"te_compile: no live te.Linear with id {module_id}")
+
+
+@torch.compiler.assume_constant_result
+def ensure_weight_caches(config: str, shape: tuple, dtype: str) -> bool:
+    """An FP8 weight cache for config `config` in every live te.Linear whose weight has `shape`
+    and `dtype` (its str()): empty, and marked invalid until quantize_weight fills it."""
+    cfg = QuantConfig.from_key(config)
+    specs = weight_cache_specs(cfg, shape)
+    for module in _live_linears():
+        weight = getattr(module, module.weight_names[0])
+        if tuple(weight.shape) != shape or str(weight.dtype) != dtype:
+            continue
+        caches = module.__dict__.get(WEIGHT_CACHES_ATTR)
+        if caches is None:
+            caches = {}
+            setattr(module, WEIGHT_CACHES_ATTR, caches)
+        if config not in caches:
+            with torch.no_grad():
+                valid = weight.new_zeros([1], dtype=torch.float32)
+                parts = [weight.new_empty(s, dtype=d) for s, d in specs]
+            caches[config] = (valid, parts)
+    return True

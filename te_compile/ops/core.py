@@ -1,0 +1,138 @@
+"""The lean core every te_compile op builds on: TE's GEMM and quantizers, called with as little
+Python per call as TE's C++ kernels allow.
+
+- `gemm` calls `transformer_engine_torch.generic_gemm` directly with TE's cached cuBLAS
+  workspace: the arguments TE's `general_gemm` wrapper would pass for a plain (no userbuffers,
+  no debug, no custom-recipe) GEMM, without its per-call dispatch.
+- `quantizer` returns a TE quantizer built once per (config, role, usages, weight shape):
+  quantizers depend only on the recipe config, so ops must not rebuild them every step.
+  DelayedScaling quantizers read per-module scale/amax tensors: the cached object gets them
+  assigned on each call (`with_state`), which is two attribute writes.
+- `quantize` calls `transformer_engine_torch.quantize` directly (TE's `Quantizer.__call__`
+  adds an autograd.Function hop that internal quantizers do not need).
+
+Everything here runs inside real op kernels only, never in fake kernels or at trace time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..recipes import QuantConfig
+
+_LAYOUTS = {"TN": (True, False), "NN": (False, False), "NT": (False, True)}
+
+
+@functools.cache
+def _tex():
+    import transformer_engine_torch as tex
+
+    return tex
+
+
+@functools.cache
+def te_dtype(dtype: torch.dtype):
+    from transformer_engine.pytorch.constants import TE_DType
+
+    return TE_DType[dtype]
+
+
+@functools.cache
+def _workspace(device_index: int) -> torch.Tensor:
+    from transformer_engine.pytorch.cpp_extensions.gemm import get_cublas_workspace
+
+    # TE's own cached workspace: shared with eager TE GEMMs on the same device.
+    return get_cublas_workspace(device_index, False, False)
+
+
+def gemm(
+    a,
+    b,
+    *,
+    layout: str,
+    out_dtype: torch.dtype,
+    split_accumulator: bool,
+    bias: torch.Tensor | None = None,
+    grad: bool = False,
+    out: torch.Tensor | None = None,
+    accumulate: bool = False,
+    device_index: int,
+):
+    """TE's GEMM as TE's `general_gemm(a, b, layout=..., ...)` runs it: returns (out, dbias).
+
+    With `grad=True` a bias only flags the dbias fused into the epilogue; the new dbias comes
+    back second. `a` and `b` are plain tensors or TE storages (FP8 operands)."""
+    transa, transb = _LAYOUTS[layout]
+    ws = _workspace(device_index)
+    bias_type = te_dtype(torch.bfloat16 if bias is None else bias.dtype)
+    result = _tex().generic_gemm(
+        a,
+        transa,
+        b,
+        transb,
+        out,
+        None,  # no output quantizer
+        te_dtype(out_dtype),
+        bias,
+        bias_type,
+        False,  # gelu
+        None,  # gelu input
+        grad,
+        ws,
+        ws.shape[0],
+        accumulate,
+        split_accumulator,
+        alpha=1.0,
+        beta=1.0 if accumulate else 0.0,  # as TE's validate_gemm_scale gives it
+    )
+    return result[0], result[1]
+
+
+def quantize(tensor: torch.Tensor, quantizer):
+    """A TE storage of `tensor` quantized by an internal TE quantizer."""
+    return _tex().quantize(tensor, quantizer)
+
+
+def bgrad_quantize(tensor: torch.Tensor, quantizer):
+    """(dbias, quantized tensor): TE's dbias fused into the cast where TE fuses it."""
+    return _tex().bgrad_quantize(tensor, quantizer)
+
+
+def quantize_into(tensor: torch.Tensor, quantizer, out, noop: torch.Tensor | None = None) -> None:
+    """Quantize into an existing TE storage (FP8 weight caches); skipped on the GPU when `noop`
+    holds 1 (TE's skip_fp8_weight_update flag)."""
+    _tex().quantize(tensor, quantizer, out, noop)
+
+
+def quantizer(
+    cfg: QuantConfig,
+    role: str,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    weight_shape: tuple[int, ...] | None = None,
+):
+    """The TE quantizer te.Linear uses for `role` (see fp8_operands.make_quantizer), cached.
+
+    The weight role needs the weight's shape (TE decides scale swizzling from it). Callers must
+    not change the returned object except through `with_state`."""
+    return _cached_quantizer(cfg, role, rowwise, columnwise, weight_shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_quantizer(cfg, role, rowwise, columnwise, weight_shape):
+    from .fp8_operands import make_quantizer
+
+    return make_quantizer(
+        cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=weight_shape
+    )
+
+
+def with_state(q, scale: torch.Tensor, amax: torch.Tensor):
+    """Point a cached DelayedScaling quantizer at one module's scale and amax (1-element
+    tensors, views into TE's fp8_meta); returns it."""
+    q.scale = scale
+    q.amax = amax
+    return q
