@@ -70,17 +70,28 @@ def _init_delayed(module, fields: tuple, num_gemms: int) -> None:
 @torch.compiler.assume_constant_result
 def ensure_delayed_states(fields: tuple, num_gemms: int) -> bool:
     """DelayedScaling state (for the recipe `fields`) for every live te.Linear that has no FP8
-    state yet; modules set up by eager TE for another recipe are left alone."""
+    state yet. Modules eager TE set up are left to eager TE unless they are registered in TE's
+    global buffers for this recipe (then only marked): registering a module of another model
+    would make compiled code mutate tensors it cannot reach through its own modules, which
+    inductor's CUDA graphs refuse (a non-static mutated input)."""
+    recipe = DelayedFields(*fields).recipe()
     for module in _live_linears():
         if getattr(module, DELAYED_ATTR, None) is not None:
             continue
-        if (
-            module.fp8_initialized
-            and module.fp8_meta.get("recipe") != DelayedFields(*fields).recipe()
-        ):
-            continue
-        _init_delayed(module, fields, num_gemms)
+        if not module.fp8_initialized:
+            _init_delayed(module, fields, num_gemms)
+        elif module.fp8_meta.get("recipe") == recipe and _registered(module, recipe):
+            setattr(module, DELAYED_ATTR, fields)
     return True
+
+
+def _registered(module, recipe) -> bool:
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    key = manager.get_key_in_buffer(True, recipe, None)
+    history = module.fp8_meta["scaling_fwd"].amax_history
+    buffer = manager.quantization_state.global_amax_history_buffer.get(key, [])
+    return any(h is history for h in buffer)
 
 
 @torch.compiler.assume_constant_result

@@ -6,8 +6,8 @@ Python per call as TE's C++ kernels allow.
   no debug, no custom-recipe) GEMM, without its per-call dispatch.
 - `quantizer` returns a TE quantizer built once per (config, role, usages, weight shape):
   quantizers depend only on the recipe config, so ops must not rebuild them every step.
-  DelayedScaling quantizers read per-module scale/amax tensors: the cached object gets them
-  assigned on each call (`with_state`), which is two attribute writes.
+  DelayedScaling quantizers read per-module scale/amax tensors: the cached object holds them
+  only for the duration of a call (`with_state`), two attribute writes on entry and exit.
 - `quantize` calls `transformer_engine_torch.quantize` directly (TE's `Quantizer.__call__`
   adds an autograd.Function hop that internal quantizers do not need).
 
@@ -16,6 +16,7 @@ Everything here runs inside real op kernels only, never in fake kernels or at tr
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -130,9 +131,14 @@ def _cached_quantizer(cfg, role, rowwise, columnwise, weight_shape):
     )
 
 
+@contextlib.contextmanager
 def with_state(q, scale: torch.Tensor, amax: torch.Tensor):
-    """Point a cached DelayedScaling quantizer at one module's scale and amax (1-element
-    tensors, views into TE's fp8_meta); returns it."""
-    q.scale = scale
-    q.amax = amax
-    return q
+    """Within the block, a cached DelayedScaling quantizer reads one module's scale and
+    max-accumulates into its amax (1-element tensors). On exit the cached object lets go of
+    them: it outlives the op, and a kept reference would keep op-local tensors alive (inside
+    CUDA-graph pools, where cudagraph trees check that nothing untracked survives a step)."""
+    q.scale, q.amax = scale, amax
+    try:
+        yield q
+    finally:
+        q.scale = q.amax = None

@@ -47,14 +47,36 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
-def _quantizer(cfg: QuantConfig, role: str, rowwise: bool, columnwise: bool, state, shape=None):
-    """The cached TE quantizer for `role`; DelayedScaling points it at `state` = [scale, amax]
-    (1-D over TE's slots of the role's direction)."""
+def _quantize(
+    tensor,
+    cfg: QuantConfig,
+    role: str,
+    rowwise: bool,
+    columnwise: bool,
+    state,
+    *,
+    into=None,
+    noop=None,
+    bgrad=False,
+):
+    """Quantize `tensor` with the cached TE quantizer for `role` (into the storage `into`, or
+    as (dbias, quantized) with `bgrad`). DelayedScaling passes `state` = [scale, amax], 1-D
+    over TE's slots of the role's direction; the quantizer holds them for this call only."""
+    shape = tuple(tensor.shape) if role == "weight" else None
     q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
-    if state is not None:
-        slot = DELAYED_SLOT[role]
-        core.with_state(q, state[0][slot], state[1][slot : slot + 1])
-    return q
+    if state is None:
+        return _run_quantize(tensor, q, into, noop, bgrad)
+    slot = DELAYED_SLOT[role]
+    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
+        return _run_quantize(tensor, q, into, noop, bgrad)
+
+
+def _run_quantize(tensor, q, into, noop, bgrad):
+    if bgrad:
+        return core.bgrad_quantize(tensor, q)
+    if into is not None:
+        return core.quantize_into(tensor, q, into, noop)
+    return core.quantize(tensor, q)
 
 
 # ---- forward -----------------------------------------------------------------------------------
@@ -97,12 +119,11 @@ def linear_fwd(
         return [out]
     # Column-wise halves are produced only when backward will read them, as in eager TE.
     state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
-    x = core.quantize(inp, _quantizer(cfg, "input", True, save_input, state))
+    x = _quantize(inp, cfg, "input", True, save_input, state)
     if weight_cache:
         w = weight_cache_storage(weight_cache, cfg, out_dtype)
     else:
-        wq = _quantizer(cfg, "weight", True, save_weight, state, tuple(weight.shape))
-        w = core.quantize(weight, wq)
+        w = _quantize(weight, cfg, "weight", True, save_weight, state)
     # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
     bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
     out, _ = core.gemm(
@@ -172,9 +193,8 @@ def quantize_weight(
     (TE's amax_history[0] of the forward slots) when it quantizes."""
     cfg = QuantConfig.from_key(config)
     state = [fwd_scale, fwd_amax] if fwd_scale is not None else None
-    q = _quantizer(cfg, "weight", True, True, state, tuple(weight.shape))
     out = weight_cache_storage(cache, cfg, weight.dtype)
-    core.quantize_into(weight, q, out, None if refresh else valid)
+    _quantize(weight, cfg, "weight", True, True, state, into=out, noop=None if refresh else valid)
     valid.fill_(1.0)
 
 
@@ -281,15 +301,15 @@ def linear_bwd(
 def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state):
     """grad_output quantization as TE's grad_output_preprocess does it: both halves (dgrad
     reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
-    q = _quantizer(cfg, "grad", True, has_bias or needs_wgrad, state)
+    columnwise = has_bias or needs_wgrad
     if not has_bias:
-        return core.quantize(g, q), None
+        return _quantize(g, cfg, "grad", True, columnwise, state), None
     if cfg.kind == "block":  # TE runs dbias unfused for block scaling
-        return core.quantize(g, q), g.sum(dim=0)
+        return _quantize(g, cfg, "grad", True, columnwise, state), g.sum(dim=0)
     # As grad_output_preprocess: bgrad_quantize fuses dbias into the cast for per-tensor FP8
     # (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4 it sums in high
     # precision, then quantizes (TE's bias.cpp).
-    dbias, g_fp8 = core.bgrad_quantize(g, q)
+    dbias, g_fp8 = _quantize(g, cfg, "grad", True, columnwise, state, bgrad=True)
     return g_fp8, dbias
 
 
