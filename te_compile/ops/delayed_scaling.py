@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import registry
 from .te_dtypes import FP8_DTYPES, te_fp8_dtype
 
 
@@ -50,21 +51,9 @@ def update_amax_and_scale(
         q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
 
 
-@torch.library.custom_op(
-    "te_compile::amax_and_scale_update", mutates_args=("amax_histories", "scales")
+AMAX_AND_SCALE_UPDATE = registry.define(
+    "amax_and_scale_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, "
+    "str amax_compute_algo, str fp8_dtype, float margin, bool fused) -> ()",
+    update_amax_and_scale,  # the op runs the function above
+    lambda amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused: None,
 )
-def amax_and_scale_update(
-    amax_histories: list[torch.Tensor],
-    scales: list[torch.Tensor],
-    amax_compute_algo: str,
-    fp8_dtype: str,
-    margin: float,
-    fused: bool,
-) -> None:
-    """`update_amax_and_scale` as an op (see there)."""
-    update_amax_and_scale(amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused)
-
-
-@amax_and_scale_update.register_fake
-def _(amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused) -> None:
-    return None

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..recipes import QuantConfig
-from . import core
+from . import core, registry
 from .delayed_scaling import update_amax_and_scale
 from .fp8_operands import (
     DELAYED_SLOT,
@@ -82,7 +82,6 @@ def _run_quantize(tensor, q, into, noop, bgrad):
 # ---- forward -----------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("te_compile::linear_fwd", mutates_args=())
 def linear_fwd(
     inp: torch.Tensor,
     weight: torch.Tensor,
@@ -145,8 +144,7 @@ def linear_fwd(
     return [out, *saved, *([state[1]] if state else [])]
 
 
-@linear_fwd.register_fake
-def _(
+def _linear_fwd_fake(
     inp,
     weight,
     bias,
@@ -175,7 +173,6 @@ def _(
 # ---- FP8 weight cache --------------------------------------------------------------------------
 
 
-@torch.library.custom_op("te_compile::quantize_weight", mutates_args=("cache", "valid", "fwd_amax"))
 def quantize_weight(
     weight: torch.Tensor,
     cache: list[torch.Tensor],
@@ -198,8 +195,7 @@ def quantize_weight(
     valid.fill_(1.0)
 
 
-@quantize_weight.register_fake
-def _(weight, cache, valid, fwd_scale, fwd_amax, config, refresh) -> None:
+def _quantize_weight_fake(weight, cache, valid, fwd_scale, fwd_amax, config, refresh) -> None:
     return None
 
 
@@ -211,9 +207,6 @@ def _returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
     return has_bias and (cfg.fp8 or needs_wgrad)
 
 
-@torch.library.custom_op(
-    "te_compile::linear_bwd", mutates_args=("bwd_scale", "bwd_history", "main_grad")
-)
 def linear_bwd(
     grad_out: torch.Tensor,
     inp: torch.Tensor | None,
@@ -313,8 +306,7 @@ def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool
     return g_fp8, dbias
 
 
-@linear_bwd.register_fake
-def _(
+def _linear_bwd_fake(
     grad_out,
     inp,
     weight,
@@ -439,4 +431,28 @@ def _backward(ctx, grads):
     return dgrad, wgrad, dbias if needs_dbias else None, *nones
 
 
-linear_fwd.register_autograd(_backward, setup_context=_setup_context)
+# ---- registration ------------------------------------------------------------------------------
+
+LINEAR_FWD = registry.define(
+    "linear_fwd(Tensor inp, Tensor weight, Tensor? bias, Tensor[] fwd_state, "
+    "Tensor[] bwd_state, Tensor[] weight_cache, Tensor? main_grad, str config, "
+    "ScalarType out_dtype, bool save_input, bool save_weight, bool accumulate) -> Tensor[]",
+    linear_fwd,
+    _linear_fwd_fake,
+)
+registry.register_autograd(LINEAR_FWD, _backward, _setup_context)
+LINEAR_BWD = registry.define(
+    "linear_bwd(Tensor grad_out, Tensor? inp, Tensor? weight, Tensor? bias, "
+    "Tensor[] input_parts, Tensor[] weight_parts, Tensor(a!)? bwd_scale, "
+    "Tensor(b!)? bwd_history, Tensor(c!)? main_grad, str config, ScalarType out_dtype, "
+    "int in_features, bool has_bias, bool needs_dgrad, bool needs_wgrad, bool accumulate) "
+    "-> (Tensor, Tensor, Tensor)",
+    linear_bwd,
+    _linear_bwd_fake,
+)
+QUANTIZE_WEIGHT = registry.define(
+    "quantize_weight(Tensor weight, Tensor(a!)[] cache, Tensor(b!) valid, Tensor? fwd_scale, "
+    "Tensor(c!)? fwd_amax, str config, bool refresh) -> ()",
+    quantize_weight,
+    _quantize_weight_fake,
+)
