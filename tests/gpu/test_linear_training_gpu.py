@@ -111,7 +111,9 @@ def accumulation_run(name, mode, perturb_after_first=False):
 # mode="reduce-overhead" with cudagraph_mark_step_begin() per microbatch (checked on the same
 # machine): a torch limitation, not te_compile's. Kept as a strict xfail so a fix shows up.
 RO_ACCUMULATION = pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="cudagraph trees: grad accumulation across steps (plain torch too)"
+    strict=True,
+    raises=RuntimeError,
+    reason="cudagraph trees: grad accumulation across steps (plain torch too)",
 )
 
 
