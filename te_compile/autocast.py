@@ -21,13 +21,12 @@ What TE 2.20 does under `torch.compile`, and what the twins do instead:
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from . import ops
 from .errors import RecipeNotSupportedError, UnsupportedUnderCompileError
 from .patching import Swap
+from .recipes import unfused_update_requested
 
 # One recipe object per default choice, built on first use outside compiled code (recipe
 # construction reads environment defaults and is not something to trace).
@@ -196,13 +195,8 @@ def _delayed_update(recipe, group, histories, scales, direction: str) -> None:
         recipe.amax_compute_algo,
         "e4m3" if e4m3 else "e5m2",
         float(recipe.margin),
-        not _unfused_update_requested(),
+        not unfused_update_requested(),
     )
-
-
-@torch.compiler.assume_constant_result
-def _unfused_update_requested() -> bool:
-    return bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0")))
 
 
 def _world_size(group) -> int:

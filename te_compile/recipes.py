@@ -11,7 +11,10 @@ not a rebuild. This module reads TE recipe objects but never touches a device.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass, fields
+
+import torch
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
@@ -131,6 +134,13 @@ def _decode(raw: str, like):
 
 
 _DEFAULT = QuantConfig()
+
+
+@torch.compiler.assume_constant_result
+def unfused_update_requested() -> bool:
+    """TE's NVTE_UNFUSED_FP8_UPDATE: DelayedScaling updates run TE's Python code instead of its
+    fused kernel. Read once per trace (a constant for the compiled code)."""
+    return bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0")))
 
 
 def _dtype_name(recipe, fprop: bool) -> str:

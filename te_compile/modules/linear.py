@@ -23,7 +23,7 @@ from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..errors import UnsupportedUnderCompileError
 from ..ops.fp8_operands import CACHEABLE_KINDS
 from ..patching import Swap
-from ..recipes import DelayedFields, QuantConfig, for_linear
+from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
 from . import persistent_state
 
 # Devices the compiled path accepts. Tests add "meta" to trace backward without a GPU (the
@@ -136,7 +136,7 @@ def _quant_config(recipe) -> QuantConfig:
             "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
         )
     return for_linear(
-        recipe, fp8_transpose=_fp8_transpose_layout(), fused_update=not _unfused_update()
+        recipe, fp8_transpose=_fp8_transpose_layout(), fused_update=not unfused_update_requested()
     )
 
 
@@ -206,13 +206,6 @@ def _cached_weight(m, weight, cfg: QuantConfig, fwd_state: list, refresh: bool) 
     scale, amax = fwd_state or [None, None]
     torch.ops.te_compile.quantize_weight(weight, parts, valid, scale, amax, cfg.key, refresh)
     return parts
-
-
-@torch.compiler.assume_constant_result
-def _unfused_update() -> bool:
-    import os
-
-    return bool(int(os.getenv("NVTE_UNFUSED_FP8_UPDATE", "0")))
 
 
 def _activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
