@@ -29,55 +29,8 @@ from __future__ import annotations
 import torch
 
 from ..recipes import QuantConfig
-from . import core, registry
-from .delayed_scaling import update_amax_and_scale
-from .fp8_operands import (
-    DELAYED_SLOT,
-    check_scale_layout,
-    columnwise_count,
-    columnwise_parts,
-    columnwise_storage,
-    fake_columnwise_parts,
-    weight_cache_columnwise,
-    weight_cache_storage,
-)
-
-
-def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
-    return t if t is None or t.dtype == dtype else t.to(dtype)
-
-
-def _quantize(
-    tensor,
-    cfg: QuantConfig,
-    role: str,
-    rowwise: bool,
-    columnwise: bool,
-    state,
-    *,
-    into=None,
-    noop=None,
-    bgrad=False,
-):
-    """Quantize `tensor` with the cached TE quantizer for `role` (into the storage `into`, or
-    as (dbias, quantized) with `bgrad`). DelayedScaling passes `state` = [scale, amax], 1-D
-    over TE's slots of the role's direction; the quantizer holds them for this call only."""
-    shape = tuple(tensor.shape) if role == "weight" else None
-    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
-    if state is None:
-        return _run_quantize(tensor, q, into, noop, bgrad)
-    slot = DELAYED_SLOT[role]
-    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
-        return _run_quantize(tensor, q, into, noop, bgrad)
-
-
-def _run_quantize(tensor, q, into, noop, bgrad):
-    if bgrad:
-        return core.bgrad_quantize(tensor, q)
-    if into is not None:
-        return core.quantize_into(tensor, q, into, noop)
-    return core.quantize(tensor, q)
-
+from . import gemm_layer, registry
+from .fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 
 # ---- forward -----------------------------------------------------------------------------------
 
@@ -104,43 +57,20 @@ def linear_fwd(
     history. `bwd_state` = [scale, amax_history] of the backward slots and `main_grad` (with
     `accumulate`, see linear_bwd) are unused here: they ride along to the backward op."""
     cfg = QuantConfig.from_key(config)
-    dev = inp.device.index
-    if not cfg.fp8:
-        out, _ = core.gemm(
-            _cast(weight, out_dtype),
-            _cast(inp, out_dtype),
-            layout="TN",
-            out_dtype=out_dtype,
-            bias=_cast(bias, out_dtype),
-            split_accumulator=cfg.split_acc[0],
-            device_index=dev,
-        )
-        return [out]
-    # Column-wise halves are produced only when backward will read them, as in eager TE.
     state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
-    x = _quantize(inp, cfg, "input", True, save_input, state)
-    if weight_cache:
-        w = weight_cache_storage(weight_cache, cfg, out_dtype)
-    else:
-        w = _quantize(weight, cfg, "weight", True, save_weight, state)
-    # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
-    bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    out, _ = core.gemm(
-        w,
-        x,
-        layout="TN",
+    out, saved = gemm_layer.forward(
+        inp,
+        weight,
+        bias,
+        cfg,
+        state=state,
+        weight_cache=weight_cache,
+        save_input=save_input,
+        save_weight=save_weight,
         out_dtype=out_dtype,
-        bias=_cast(bias, bias_dtype),
-        split_accumulator=cfg.split_acc[0],
-        device_index=dev,
+        x_shape=inp.shape,
+        device_index=inp.device.index,
     )
-    saved = []
-    if save_input:
-        check_scale_layout(x, cfg, "input", inp.shape)
-        saved += columnwise_parts(x, cfg)
-    if save_weight and not weight_cache:  # a cached weight is saved from the cache itself
-        check_scale_layout(w, cfg, "weight", weight.shape)
-        saved += columnwise_parts(w, cfg)
     return [out, *saved, *([state[1]] if state else [])]
 
 
@@ -160,11 +90,15 @@ def _linear_fwd_fake(
 ):
     cfg = QuantConfig.from_key(config)
     out = inp.new_empty([*inp.shape[:-1], weight.shape[0]], dtype=out_dtype)
-    saved = []
-    if cfg.fp8 and save_input:
-        saved += fake_columnwise_parts(inp.shape, cfg, "input", inp)
-    if cfg.fp8 and save_weight and not weight_cache:
-        saved += fake_columnwise_parts(weight.shape, cfg, "weight", inp)
+    saved = gemm_layer.fake_saved_parts(
+        inp.shape,
+        weight.shape,
+        cfg,
+        save_input=save_input,
+        save_weight=save_weight,
+        weight_cache=weight_cache,
+        like=inp,
+    )
     if fwd_state:
         saved.append(torch.empty_like(fwd_state[1]))
     return [out, *saved]
@@ -191,7 +125,9 @@ def quantize_weight(
     cfg = QuantConfig.from_key(config)
     state = [fwd_scale, fwd_amax] if fwd_scale is not None else None
     out = weight_cache_storage(cache, cfg, weight.dtype)
-    _quantize(weight, cfg, "weight", True, True, state, into=out, noop=None if refresh else valid)
+    gemm_layer.quantize(
+        weight, cfg, "weight", True, True, state, into=out, noop=None if refresh else valid
+    )
     valid.fill_(1.0)
 
 
@@ -200,11 +136,6 @@ def _quantize_weight_fake(weight, cache, valid, fwd_scale, fwd_amax, config, ref
 
 
 # ---- backward ----------------------------------------------------------------------------------
-
-
-def _returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
-    # Without FP8, eager TE gets dbias from the wgrad GEMM's epilogue only: no wgrad, no dbias.
-    return has_bias and (cfg.fp8 or needs_wgrad)
 
 
 def linear_bwd(
@@ -230,80 +161,41 @@ def linear_bwd(
     carry the operands. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
     it, adding to its contents when `accumulate`, and the returned wgrad is empty."""
     cfg = QuantConfig.from_key(config)
-    dev = grad_out.device.index
     g = grad_out.reshape(-1, grad_out.shape[-1])
     if not g.is_contiguous():
         g = g.contiguous()
-    if cfg.fp8:
-        # DelayedScaling: the latest amaxes are row 0 of the history
-        state = [bwd_scale, bwd_history[0]] if bwd_history is not None else None
-        g, dbias = _quantize_grad_output(g, cfg, has_bias, needs_wgrad, state)
-        w = columnwise_storage(weight_parts, cfg, "weight", out_dtype) if needs_dgrad else None
-        x = columnwise_storage(input_parts, cfg, "input", out_dtype) if needs_wgrad else None
-        wgrad_bias = None
-    else:
-        dbias = None
-        w, x = _cast(weight, out_dtype), _cast(inp, out_dtype)
-        wgrad_bias = _cast(bias, out_dtype)  # with grad=True only a flag: dbias comes back
+    # DelayedScaling: the latest amaxes are row 0 of the history
+    state = [bwd_scale, bwd_history[0]] if cfg.fp8 and bwd_history is not None else None
+    dgrad, wgrad, dbias = gemm_layer.backward(
+        g,
+        cfg,
+        x=inp,
+        weight=weight,
+        bias=bias,
+        input_parts=input_parts,
+        weight_parts=weight_parts,
+        state=state,
+        main_grad=main_grad,
+        out_dtype=out_dtype,
+        has_bias=has_bias,
+        needs_dgrad=needs_dgrad,
+        needs_wgrad=needs_wgrad,
+        accumulate=accumulate,
+        device_index=grad_out.device.index,
+    )
+    if bwd_history is not None:
+        gemm_layer.update_backward_state(bwd_scale, bwd_history, cfg)
 
     def none():  # a result not asked for (outputs of one op may not alias each other)
         return grad_out.new_empty([0], dtype=out_dtype)
 
-    dgrad, wgrad = none(), none()
-    if needs_dgrad:
-        dgrad, _ = core.gemm(
-            w,
-            g,
-            layout="NN",
-            grad=True,
-            out_dtype=out_dtype,
-            split_accumulator=cfg.split_acc[1],
-            device_index=dev,
-        )
+    if dgrad is not None:
         dgrad = dgrad.view([*grad_out.shape[:-1], in_features])
-    if needs_wgrad:
-        into_main_grad = main_grad is not None
-        result, gemm_dbias = core.gemm(
-            x,
-            g,
-            layout="NT",
-            grad=True,
-            out_dtype=main_grad.dtype if into_main_grad else out_dtype,
-            bias=wgrad_bias,
-            split_accumulator=cfg.split_acc[2],
-            out=main_grad,
-            accumulate=into_main_grad and accumulate,
-            device_index=dev,
-        )
-        if not into_main_grad:
-            wgrad = result
-        if dbias is None:
-            dbias = gemm_dbias
-    if not _returns_dbias(cfg, has_bias, needs_wgrad):
-        dbias = none()
-    if bwd_history is not None:
-        # Eager TE updates every registered backward state once, at the end of the first FP8
-        # module's backward; per (history, scale) pair that is this update at the end of the
-        # module's own backward (see docs/architecture.md for when the two differ).
-        update_amax_and_scale(
-            [bwd_history], [bwd_scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update
-        )
-    return dgrad, wgrad, dbias
-
-
-def _quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state):
-    """grad_output quantization as TE's grad_output_preprocess does it: both halves (dgrad
-    reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
-    columnwise = has_bias or needs_wgrad
-    if not has_bias:
-        return _quantize(g, cfg, "grad", True, columnwise, state), None
-    if cfg.kind == "block":  # TE runs dbias unfused for block scaling
-        return _quantize(g, cfg, "grad", True, columnwise, state), g.sum(dim=0)
-    # As grad_output_preprocess: bgrad_quantize fuses dbias into the cast for per-tensor FP8
-    # (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4 it sums in high
-    # precision, then quantizes (TE's bias.cpp).
-    dbias, g_fp8 = _quantize(g, cfg, "grad", True, columnwise, state, bgrad=True)
-    return g_fp8, dbias
+    return (
+        none() if dgrad is None else dgrad,
+        none() if wgrad is None else wgrad,
+        none() if dbias is None else dbias,
+    )
 
 
 def _linear_bwd_fake(
@@ -333,7 +225,7 @@ def _linear_bwd_fake(
     return (
         empty([*grad_out.shape[:-1], in_features], needs_dgrad),
         empty([out_features, in_features], needs_wgrad and main_grad is None),
-        empty([out_features], _returns_dbias(cfg, has_bias, needs_wgrad)),
+        empty([out_features], gemm_layer.returns_dbias(cfg, has_bias, needs_wgrad)),
     )
 
 
@@ -427,7 +319,7 @@ def _backward(ctx, grads):
     dgrad = dgrad if needs_dgrad else None
     # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
     wgrad = wgrad if needs_wgrad and ctx.main_grad is None else None
-    dbias = dbias if _returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None
+    dbias = dbias if gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None
     return dgrad, wgrad, dbias if needs_dbias else None, *nones
 
 

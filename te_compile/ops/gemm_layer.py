@@ -1,0 +1,295 @@
+"""One GEMM layer, y = x @ W.T + b, forward and backward on TE's kernels: the code every
+GEMM module's ops share (te.Linear, LayerNormLinear, LayerNormMLP's two GEMMs). One GEMM path
+and one quantization core; module ops only add what runs around the GEMMs (norms,
+activations).
+
+- `quantize` / `bound_quantizer`: the cached TE quantizer of a role, bound to a module's
+  DelayedScaling state for the call. `bound_quantizer` hands the quantizer to a fused TE kernel
+  (norm + quantize, activation + quantize) that quantizes while it computes.
+- `forward`: quantize input and weight (or take them already quantized: a fused kernel's
+  output, an FP8 weight cache), run the forward GEMM, and return the column-wise halves
+  backward will read as plain tensors (fp8_operands.py).
+- `backward`: grad_output quantization with dbias, dgrad and wgrad GEMMs (into main_grad under
+  fuse_wgrad_accumulation), from the saved parts; `update_backward_state` is DelayedScaling's
+  backward amax/scale update of one module's state.
+
+Everything here runs inside real op kernels only; `fake_saved_parts` is the fake-kernel twin
+of what `forward` saves. Arguments are those eager TE's `_linear_forward_impl` /
+`_linear_backward_impl` pass to `general_gemm` (TE 2.20.2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..recipes import QuantConfig
+from . import core
+from .delayed_scaling import update_amax_and_scale
+from .fp8_operands import (
+    DELAYED_SLOT,
+    check_scale_layout,
+    columnwise_parts,
+    columnwise_storage,
+    fake_columnwise_parts,
+    weight_cache_storage,
+)
+
+# TE's DelayedScaling slots per GEMM: 3 forward (input, weight, output), 2 backward
+# (grad_output, grad_input); GEMM `g` of a module uses slots offset by g times that.
+_SLOTS_PER_GEMM = {"input": 3, "weight": 3, "grad": 2}
+
+
+def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)
+
+
+def is_quantized(t) -> bool:
+    """A TE storage (internal quantizers return bare storages, not torch.Tensors)."""
+    return not isinstance(t, torch.Tensor)
+
+
+def _slot(role: str, gemm: int) -> int:
+    return DELAYED_SLOT[role] + _SLOTS_PER_GEMM[role] * gemm
+
+
+@contextlib.contextmanager
+def bound_quantizer(
+    cfg: QuantConfig,
+    role: str,
+    *,
+    rowwise: bool,
+    columnwise: bool,
+    state,
+    gemm: int = 0,
+    weight_shape: tuple[int, ...] | None = None,
+):
+    """The cached TE quantizer for `role` (te.Linear's configuration), within the block bound to
+    a module's DelayedScaling `state` = [scale, amax] (1-D over the role's direction's slots;
+    None for other recipes). For fused TE kernels that take a quantizer (tex.layernorm_fwd,
+    tex.gelu, ...): they quantize with exactly what `quantize` would use."""
+    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=weight_shape)
+    if state is None:
+        yield q
+        return
+    slot = _slot(role, gemm)
+    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
+        yield q
+
+
+def quantize(
+    tensor,
+    cfg: QuantConfig,
+    role: str,
+    rowwise: bool,
+    columnwise: bool,
+    state,
+    *,
+    gemm: int = 0,
+    into=None,
+    noop=None,
+    bgrad=False,
+):
+    """Quantize `tensor` with the cached TE quantizer for `role` (into the storage `into`, or
+    as (dbias, quantized) with `bgrad`). DelayedScaling passes `state` = [scale, amax] (see
+    `bound_quantizer`); `gemm` picks the GEMM's slots in a module of several GEMMs."""
+    shape = tuple(tensor.shape) if role == "weight" else None
+    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
+    if state is None:
+        return _run_quantize(tensor, q, into, noop, bgrad)
+    slot = _slot(role, gemm)
+    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
+        return _run_quantize(tensor, q, into, noop, bgrad)
+
+
+def _run_quantize(tensor, q, into, noop, bgrad):
+    if bgrad:
+        return core.bgrad_quantize(tensor, q)
+    if into is not None:
+        return core.quantize_into(tensor, q, into, noop)
+    return core.quantize(tensor, q)
+
+
+# ---- forward -----------------------------------------------------------------------------------
+
+
+def forward(
+    x,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cfg: QuantConfig,
+    *,
+    state,
+    weight_cache: list[torch.Tensor],
+    save_input: bool,
+    save_weight: bool,
+    out_dtype: torch.dtype,
+    x_shape,
+    device_index: int,
+    gemm: int = 0,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(y, saved parts). `x` is a high-precision tensor, or (FP8 configs) a TE storage already
+    quantized for the input role, row-wise plus column-wise when `save_input` (the output of a
+    fused norm or activation kernel run through `bound_quantizer`). `x_shape` is x's shape.
+
+    FP8: `state` = [scale, amaxes] of the forward slots (DelayedScaling, else None; the caller
+    returns the amaxes), `weight_cache` a filled FP8 weight cache or []. Saved: the column-wise
+    half of x when `save_input` (wgrad), of the weight when `save_weight` and the weight is
+    not cached (dgrad; a cached weight is saved from the cache). Without FP8 nothing is saved
+    here: backward reads the high-precision operands."""
+    if not cfg.fp8:
+        out, _ = core.gemm(
+            cast(weight, out_dtype),
+            cast(x, out_dtype),
+            layout="TN",
+            out_dtype=out_dtype,
+            bias=cast(bias, out_dtype),
+            split_accumulator=cfg.split_acc[0],
+            device_index=device_index,
+        )
+        return out, []
+    # Column-wise halves are produced only when backward will read them, as in eager TE.
+    if not is_quantized(x):
+        x = quantize(x, cfg, "input", True, save_input, state, gemm=gemm)
+    if weight_cache:
+        w = weight_cache_storage(weight_cache, cfg, out_dtype)
+    else:
+        w = quantize(weight, cfg, "weight", True, save_weight, state, gemm=gemm)
+    # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
+    bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
+    out, _ = core.gemm(
+        w,
+        x,
+        layout="TN",
+        out_dtype=out_dtype,
+        bias=cast(bias, bias_dtype),
+        split_accumulator=cfg.split_acc[0],
+        device_index=device_index,
+    )
+    saved = []
+    if save_input:
+        check_scale_layout(x, cfg, "input", x_shape)
+        saved += columnwise_parts(x, cfg)
+    if save_weight and not weight_cache:
+        check_scale_layout(w, cfg, "weight", weight.shape)
+        saved += columnwise_parts(w, cfg)
+    return out, saved
+
+
+def fake_saved_parts(
+    x_shape, weight_shape, cfg: QuantConfig, *, save_input, save_weight, weight_cache, like
+) -> list[torch.Tensor]:
+    """Empty tensors shaped like `forward`'s saved parts (fake kernels)."""
+    saved = []
+    if cfg.fp8 and save_input:
+        saved += fake_columnwise_parts(x_shape, cfg, "input", like)
+    if cfg.fp8 and save_weight and not weight_cache:
+        saved += fake_columnwise_parts(weight_shape, cfg, "weight", like)
+    return saved
+
+
+# ---- backward ----------------------------------------------------------------------------------
+
+
+def returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
+    """Whether backward computes a dbias. Without FP8, eager TE gets dbias from the wgrad
+    GEMM's epilogue only: no wgrad, no dbias."""
+    return has_bias and (cfg.fp8 or needs_wgrad)
+
+
+def backward(
+    grad,
+    cfg: QuantConfig,
+    *,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    input_parts: list[torch.Tensor],
+    weight_parts: list[torch.Tensor],
+    state,
+    main_grad: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    has_bias: bool,
+    needs_dgrad: bool,
+    needs_wgrad: bool,
+    accumulate: bool,
+    device_index: int,
+    gemm: int = 0,
+    dbias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(dgrad [M, in], wgrad, dbias) of `forward`; None for what is not computed.
+
+    `grad` is grad_output as a 2-D contiguous high-precision tensor, or (FP8) a TE storage
+    already quantized for the grad role, both halves, with its `dbias` (a fused dact+quantize
+    kernel's output). Without FP8, `x`/`weight`/`bias` are the forward's high-precision
+    operands (the bias only flags the dbias fused into the wgrad GEMM); with FP8 the saved
+    parts carry the operands. DelayedScaling: `state` = [scale, latest amaxes] of the backward
+    slots. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into it, adding
+    to its contents when `accumulate`, and the returned wgrad is None."""
+    if cfg.fp8:
+        if not is_quantized(grad):
+            grad, dbias = quantize_grad_output(grad, cfg, has_bias, needs_wgrad, state, gemm=gemm)
+        w = columnwise_storage(weight_parts, cfg, "weight", out_dtype) if needs_dgrad else None
+        x = columnwise_storage(input_parts, cfg, "input", out_dtype) if needs_wgrad else None
+        wgrad_bias = None
+    else:
+        w, x = cast(weight, out_dtype), cast(x, out_dtype)
+        wgrad_bias = cast(bias, out_dtype)  # with grad=True only a flag: dbias comes back
+    dgrad = wgrad = None
+    if needs_dgrad:
+        dgrad, _ = core.gemm(
+            w,
+            grad,
+            layout="NN",
+            grad=True,
+            out_dtype=out_dtype,
+            split_accumulator=cfg.split_acc[1],
+            device_index=device_index,
+        )
+    if needs_wgrad:
+        into_main_grad = main_grad is not None
+        result, gemm_dbias = core.gemm(
+            x,
+            grad,
+            layout="NT",
+            grad=True,
+            out_dtype=main_grad.dtype if into_main_grad else out_dtype,
+            bias=wgrad_bias,
+            split_accumulator=cfg.split_acc[2],
+            out=main_grad,
+            accumulate=into_main_grad and accumulate,
+            device_index=device_index,
+        )
+        if not into_main_grad:
+            wgrad = result
+        if dbias is None:
+            dbias = gemm_dbias
+    if not returns_dbias(cfg, has_bias, needs_wgrad):
+        dbias = None
+    return dgrad, wgrad, dbias
+
+
+def quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state, gemm=0):
+    """(quantized grad_output, dbias or None) as TE's grad_output_preprocess: both halves
+    (dgrad reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
+    columnwise = has_bias or needs_wgrad
+    if not has_bias:
+        return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), None
+    if cfg.kind == "block":  # TE runs dbias unfused for block scaling
+        return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), g.sum(dim=0)
+    # As grad_output_preprocess: bgrad_quantize fuses dbias into the cast for per-tensor FP8
+    # (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4 it sums in high
+    # precision, then quantizes (TE's bias.cpp).
+    dbias, g_fp8 = quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm, bgrad=True)
+    return g_fp8, dbias
+
+
+def update_backward_state(bwd_scale: torch.Tensor, bwd_history: torch.Tensor, cfg: QuantConfig):
+    """DelayedScaling's backward amax/scale update of one module's state. Eager TE updates every
+    registered backward state once, at the end of the first FP8 module's backward; per
+    (history, scale) pair that is this update at the end of the module's own backward (see
+    docs/architecture.md for when the two differ)."""
+    update_amax_and_scale(
+        [bwd_history], [bwd_scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update
+    )
