@@ -9,7 +9,15 @@
 # A matching prebuilt wheel in ../shared/wheels/ (beside the clone) is taken instead of building,
 # unless TE_COMPILE_BUILD_TE=1.
 #
-# Usage: bash scripts/install.sh          (venv at .venv; override with TE_COMPILE_VENV)
+# TE's core wheel follows torch's CUDA major version (transformer-engine-cu13 for torch 2.14.1's
+# cu130 build, -cu12 for a cu12 build such as PyPI's torch 2.9.1). When that differs from nvcc's,
+# the extension is compiled against the NVIDIA pip packages' headers (those torch was built with).
+#
+# Progress goes to stderr as "[install +Ns] ..."; pip runs quietly and its full output is shown
+# only when a step fails.
+#
+# Usage: bash scripts/install.sh          (venv at .venv; override with TE_COMPILE_VENV,
+#        torch with TORCH_VERSION; scripts/test_floor.sh uses both)
 set -euo pipefail
 
 TORCH_VERSION=${TORCH_VERSION:-2.14.1}
@@ -18,34 +26,51 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 venv=${TE_COMPILE_VENV:-$root/.venv}
 cache=${TE_COMPILE_CACHE:-$HOME/.cache/te-compile}
 start=$(date +%s)
-log() { echo "[install +$(($(date +%s) - start))s] $*"; }
+log() { echo "[install +$(($(date +%s) - start))s] $*" >&2; }
 
 if [ ! -x "$venv/bin/python" ]; then
   log "creating venv at $venv"
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
-pip() { "$py" -m pip "$@"; }
-pip install -q --upgrade pip wheel setuptools
+# pip quietly; on failure show everything it said. On success only pip's own top-level warnings
+# are kept, minus this machine's "index location is ignored" notices. Build-backend warnings
+# (indented, e.g. setuptools' "Editable installation" note) are dropped.
+pip() {
+  local out status=0
+  out=$(mktemp)
+  "$py" -m pip --disable-pip-version-check --no-input "$@" >"$out" 2>&1 || status=$?
+  if [ "$status" -ne 0 ]; then
+    cat "$out" >&2
+    rm -f "$out"
+    log "FAILED: pip $*"
+    return "$status"
+  fi
+  grep -E '^(WARNING|ERROR):' "$out" | grep -v 'is ignored: it is neither a file nor a directory' >&2 || true
+  rm -f "$out"
+}
+pip install -q --upgrade pip wheel 'setuptools>=77'
 
 if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   log "installing torch $TORCH_VERSION"
   pip install -q "torch==$TORCH_VERSION"
 fi
-pyver=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
-torchver=$("$py" -c 'import torch; print(torch.__version__)')
-log "torch $torchver, python $pyver"
+info=$("$py" -W ignore -c 'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}", torch.__version__, (torch.version.cuda or "13").split(".")[0])')
+read -r pyver torchver torchcuda <<<"$info"
+log "torch $torchver (CUDA $torchcuda), python $pyver"
 
-# TE's Python code (transformer-engine) and core library (transformer-engine-cu13) are wheels.
+# TE's Python code (transformer-engine) and core library (transformer-engine-cuNN) are wheels.
 # --no-deps on the meta package: its [pytorch] extra would start a CUDA build of the extension.
-log "installing transformer-engine $TE_VERSION (core wheels)"
-pip install -q "transformer-engine-cu13==$TE_VERSION"
+log "installing transformer-engine $TE_VERSION (core wheels, cu$torchcuda)"
+pip install -q "transformer-engine-cu$torchcuda==$TE_VERSION"
 pip install -q --no-deps "transformer-engine==$TE_VERSION"
 
 # shellcheck source=/dev/null
 source "$root/scripts/env.sh" "$venv"
 
-if ! "$py" -c "import transformer_engine_torch" 2>/dev/null; then
+# The extension lives in transformer_engine/wheel_lib and loads with transformer_engine.pytorch;
+# that import fails when it is missing or was built for another torch.
+if ! "$py" -W ignore -c "import transformer_engine.pytorch" >/dev/null 2>&1; then
   key="transformer_engine_torch-${TE_VERSION}-torch${torchver//+/_}-${pyver}"
   mkdir -p "$cache/wheels/$key"
   whl=$(ls "$cache/wheels/$key"/*.whl 2>/dev/null | head -1 || true)
@@ -65,6 +90,12 @@ if ! "$py" -c "import transformer_engine_torch" 2>/dev/null; then
     # The /usr/local/bin/nvcc here is a wrapper script; take the toolkit it execs.
     if [ ! -f "$CUDA_HOME/include/cuda_runtime.h" ] && [ -d /usr/local/cuda ]; then CUDA_HOME=/usr/local/cuda; fi
     export CUDA_HOME
+    nvccmajor=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+    if [ "$nvccmajor" != "$torchcuda" ]; then
+      # The extension is C++ only (no CUDA kernels); it needs CUDA headers matching torch's.
+      log "nvcc is CUDA $nvccmajor, torch is CUDA $torchcuda: using the NVIDIA pip packages' headers"
+      export NVTE_BUILD_USE_NVIDIA_WHEELS=1
+    fi
     NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
       pip wheel -q --no-deps --no-build-isolation -w "$cache/wheels/$key" "$src"/transformer_engine_torch-*.tar.gz
     whl=$(ls "$cache/wheels/$key"/*.whl | head -1)
@@ -76,5 +107,8 @@ fi
 
 log "installing te-compile with test extras"
 pip install -q -e "$root[test]"
-"$py" -c "import transformer_engine.pytorch as te, te_compile; print('TE', te.__version__ if hasattr(te, '__version__') else '', 'te_compile ok')"
+"$py" -W ignore -c "
+import importlib.metadata as m
+import transformer_engine.pytorch, te_compile
+print('torch', m.version('torch'), '| transformer-engine', m.version('transformer-engine'), '| te-compile', m.version('te-compile'))"
 log "done"
