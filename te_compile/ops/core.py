@@ -27,7 +27,8 @@ _LAYOUTS = {"TN": (True, False), "NN": (False, False), "NT": (False, True)}
 
 
 @functools.cache
-def _tex():
+def tex():
+    """transformer_engine_torch (TE's C++ extension), imported once."""
     import transformer_engine_torch as tex
 
     return tex
@@ -68,7 +69,7 @@ def gemm(
     transa, transb = _LAYOUTS[layout]
     ws = _workspace(device_index)
     bias_type = te_dtype(torch.bfloat16 if bias is None else bias.dtype)
-    result = _tex().generic_gemm(
+    result = tex().generic_gemm(
         a,
         transa,
         b,
@@ -93,18 +94,18 @@ def gemm(
 
 def quantize(tensor: torch.Tensor, quantizer):
     """A TE storage of `tensor` quantized by an internal TE quantizer."""
-    return _tex().quantize(tensor, quantizer)
+    return tex().quantize(tensor, quantizer)
 
 
 def bgrad_quantize(tensor: torch.Tensor, quantizer):
     """(dbias, quantized tensor): TE's dbias fused into the cast where TE fuses it."""
-    return _tex().bgrad_quantize(tensor, quantizer)
+    return tex().bgrad_quantize(tensor, quantizer)
 
 
 def quantize_into(tensor: torch.Tensor, quantizer, out, noop: torch.Tensor | None = None) -> None:
     """Quantize into an existing TE storage (FP8 weight caches); skipped on the GPU when `noop`
     holds 1 (TE's skip_fp8_weight_update flag)."""
-    _tex().quantize(tensor, quantizer, out, noop)
+    tex().quantize(tensor, quantizer, out, noop)
 
 
 def quantizer(

@@ -217,6 +217,7 @@ def backward(
     device_index: int,
     gemm: int = 0,
     dbias: torch.Tensor | None = None,
+    grad_columnwise: bool | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dgrad [M, in], wgrad, dbias) of `forward`; None for what is not computed.
 
@@ -226,10 +227,14 @@ def backward(
     operands (the bias only flags the dbias fused into the wgrad GEMM); with FP8 the saved
     parts carry the operands. DelayedScaling: `state` = [scale, latest amaxes] of the backward
     slots. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into it, adding
-    to its contents when `accumulate`, and the returned wgrad is None."""
+    to its contents when `accumulate`, and the returned wgrad is None. `grad_columnwise`
+    overrides te.Linear's rule for quantizing grad_output's column-wise half (only with a
+    bias or wgrad); LayerNormLinear always asks for both halves."""
     if cfg.fp8:
         if not is_quantized(grad):
-            grad, dbias = quantize_grad_output(grad, cfg, has_bias, needs_wgrad, state, gemm=gemm)
+            grad, dbias = quantize_grad_output(
+                grad, cfg, has_bias, needs_wgrad, state, gemm=gemm, columnwise=grad_columnwise
+            )
         w = columnwise_storage(weight_parts, cfg, "weight", out_dtype) if needs_dgrad else None
         x = columnwise_storage(input_parts, cfg, "input", out_dtype) if needs_wgrad else None
         wgrad_bias = None
@@ -270,10 +275,14 @@ def backward(
     return dgrad, wgrad, dbias
 
 
-def quantize_grad_output(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state, gemm=0):
+def quantize_grad_output(
+    g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state, gemm=0, columnwise=None
+):
     """(quantized grad_output, dbias or None) as TE's grad_output_preprocess: both halves
-    (dgrad reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it."""
-    columnwise = has_bias or needs_wgrad
+    (dgrad reads row-wise, wgrad column-wise), dbias fused into the cast where TE fuses it.
+    `columnwise` None: te.Linear's rule (column-wise only with a bias or wgrad)."""
+    if columnwise is None:
+        columnwise = has_bias or needs_wgrad
     if not has_bias:
         return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), None
     if cfg.kind == "block":  # TE runs dbias unfused for block scaling
