@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..recipes import QuantConfig
-from . import core, gemm_layer
+from . import gemm_layer
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,9 @@ def output_features(name: str, fc1_features: int) -> int:
 
 @functools.cache
 def _kernel(fn_name: str):
-    return getattr(core._tex(), fn_name)
+    import transformer_engine_torch as tex
+
+    return getattr(tex, fn_name)
 
 
 def activate(x: torch.Tensor, name: str, params: tuple[float, ...], quantizer=None):
