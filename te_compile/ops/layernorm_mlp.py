@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from ..recipes import QuantConfig
-from . import activation, gemm_layer, registry
+from . import activation, gemm_layer, norm, registry
 from .fp8_operands import columnwise_count, fake_columnwise_parts, weight_cache_columnwise
 
 FC1, FC2 = 0, 1  # GEMM indices (DelayedScaling slots)
@@ -132,45 +132,6 @@ def _split(saved: list, segments) -> dict:
     return out
 
 
-# ---- norm ------------------------------------------------------------------------------------
-
-
-def _norm_forward(x, weight, bias, mlp: MLPConfig, quantizer, out_dtype):
-    """TE's layernorm_fwd/rmsnorm_fwd as `apply_normalization` calls them: (out, mu, rsigma)."""
-    import transformer_engine_torch as tex
-
-    from . import core
-
-    otype = core.te_dtype(out_dtype)
-    if mlp.normalization == "LayerNorm":
-        return tex.layernorm_fwd(
-            x,
-            weight,
-            bias,
-            mlp.eps,
-            None,
-            quantizer,
-            otype,
-            mlp.fwd_sm_margin,
-            mlp.zero_centered_gamma,
-        )
-    return tex.rmsnorm_fwd(
-        x, weight, mlp.eps, None, quantizer, otype, mlp.fwd_sm_margin, mlp.zero_centered_gamma
-    )
-
-
-def _norm_backward(dz, x, mu, rsigma, weight, mlp: MLPConfig):
-    """(dx, dgamma, dbeta or None) by TE's layernorm_bwd/rmsnorm_bwd."""
-    import transformer_engine_torch as tex
-
-    if mlp.normalization == "LayerNorm":
-        return tuple(
-            tex.layernorm_bwd(dz, x, mu, rsigma, weight, mlp.bwd_sm_margin, mlp.zero_centered_gamma)
-        )
-    dx, dgamma = tex.rmsnorm_bwd(dz, x, rsigma, weight, mlp.bwd_sm_margin, mlp.zero_centered_gamma)
-    return dx, dgamma, None
-
-
 # ---- forward -----------------------------------------------------------------------------------
 
 
@@ -209,14 +170,20 @@ def layernorm_mlp_fwd(
     state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
 
     # Norm, with FC1's input quantization fused in unless its high-precision output is returned.
-    if cfg.fp8 and not m.return_ln:
-        with gemm_layer.bound_quantizer(
-            cfg, "input", rowwise=True, columnwise=save_fc1_input, state=state, gemm=FC1
-        ) as q:
-            ln_out, mu, rsigma = _norm_forward(x, gamma, beta, m, q, out_dtype)
-    else:
-        ln_out, mu, rsigma = _norm_forward(x, gamma, beta, m, None, out_dtype)
-    ln_out_hp = ln_out if m.return_ln else None
+    ln_out, ln_out_hp, mu, rsigma = norm.norm_for_gemm(
+        x,
+        gamma,
+        beta,
+        cfg,
+        normalization=m.normalization,
+        eps=m.eps,
+        sm_margin=m.fwd_sm_margin,
+        zero_centered_gamma=m.zero_centered_gamma,
+        state=state,
+        columnwise=save_fc1_input,
+        return_hp=m.return_ln,
+        gemm=FC1,
+    )
 
     # FC1. TE's bias-GeLU fusion adds the bias in the activation instead of the GEMM.
     fc1_out, fc1_saved = gemm_layer.forward(
@@ -413,6 +380,7 @@ def layernorm_mlp_bwd(
         accumulate=accumulate,
         device_index=dev,
         gemm=FC2,
+        grad_columnwise=True,  # TE's LayerNormMLP asks for both halves of FC2's grad_output
     )
     dx = dgamma = dbeta = fc1_wgrad = fc1_dbias = None
     if needs_act:
@@ -458,7 +426,16 @@ def layernorm_mlp_bwd(
             x = gemm_layer.cast(inp.reshape(-1, hidden), out_dtype)
             gamma = gemm_layer.cast(ln_weight, out_dtype)
             mu = s["mu"][0] if s["mu"] else None
-            dx, dgamma, dbeta = _norm_backward(dz, x, mu, s["rsigma"][0], gamma, m)
+            dx, dgamma, dbeta = norm.norm_bwd(
+                dz,
+                x,
+                mu,
+                s["rsigma"][0],
+                gamma,
+                normalization=m.normalization,
+                sm_margin=m.bwd_sm_margin,
+                zero_centered_gamma=m.zero_centered_gamma,
+            )
             dx = dx.view(grad_out.shape)
     if bwd_history is not None:
         gemm_layer.update_backward_state(bwd_scale, bwd_history, cfg)
