@@ -8,8 +8,8 @@ the real tensors as graph inputs and the ops mutate them in place.
 
 Regional compilation (one `torch.compile` per transformer block, as torchtitan does) reuses one
 graph for N identical blocks only if nothing in the trace names a module instance. So these
-functions take no module: the first trace creates the state of every live te.Linear that needs
-it (`ensure_*`), found by a scan of the garbage collector's objects, and the traced code then
+functions take no module: the first trace creates the state of every live TE GEMM module
+(te.Linear, te.LayerNormLinear, te.LayerNormMLP) that needs it (`ensure_*`), found by a scan of the garbage collector's objects, and the traced code then
 only checks a plain attribute whose value is the same in every block. A module whose
 DelayedScaling state was made for another recipe is the one case handled per instance
 (`reinit_delayed_state`); changing a recipe costs a recompile anyway.
@@ -30,21 +30,56 @@ from ..recipes import DelayedFields, QuantConfig
 
 # Module attributes (plain values, so guards compare values, not identities).
 DELAYED_ATTR = "_te_compile_delayed"  # the DelayedFields tuple the state was made for
-WEIGHT_CACHES_ATTR = "_te_compile_weight_caches"  # {config key: (valid, [cache tensors])}
+WEIGHT_CACHES_ATTR = "_te_compile_weight_caches"  # {cache_key(): (valid, [cache tensors])}
 
 
-def _live_linears() -> list:
+def _module_classes() -> tuple:
+    """The TE modules with fp8_meta whose compile paths keep state here."""
+    from transformer_engine.pytorch.module.layernorm_linear import LayerNormLinear
+    from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
     from transformer_engine.pytorch.module.linear import Linear
 
+    return Linear, LayerNormLinear, LayerNormMLP
+
+
+def _live_modules() -> list:
+    classes = _module_classes()
     # type() first: isinstance() on a dead weakref proxy raises ReferenceError.
     return [
         obj
         for obj in gc.get_objects()
-        if type(obj) not in weakref.ProxyTypes and isinstance(obj, Linear)
+        if type(obj) not in weakref.ProxyTypes and isinstance(obj, classes)
     ]
 
 
-def _init_delayed(module, fields: tuple, num_gemms: int) -> None:
+def num_gemms(module) -> int:
+    """GEMMs of a module, as TE's init_fp8_metadata counts them (LayerNormMLP: FC1 and FC2)."""
+    from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
+
+    return 2 if isinstance(module, LayerNormMLP) else 1
+
+
+def cache_key(name: str, config: str) -> str:
+    """Key of the FP8 cache of the GEMM weight `name` for recipe config `config`."""
+    return f"{name}|{config}"
+
+
+def gemm_weight_spec(module, name: str) -> tuple[tuple, str] | None:
+    """(shape, str(dtype)) of the high-precision weight GEMM weight `name` quantizes: "weight"
+    for te.Linear and te.LayerNormLinear (with parameters_split, the concatenation of the split
+    weights along dim 0), "fc1_weight" / "fc2_weight" for te.LayerNormMLP. None if the module
+    has no such weight."""
+    if name == "weight" and getattr(module, "weight_names", None):
+        weights = [getattr(module, n) for n in module.weight_names]
+        rows = sum(w.shape[0] for w in weights)
+        return (rows, *weights[0].shape[1:]), str(weights[0].dtype)
+    weight = getattr(module, name, None) if name != "weight" else None
+    if not isinstance(weight, torch.Tensor):
+        return None
+    return tuple(weight.shape), str(weight.dtype)
+
+
+def _init_delayed(module, fields: tuple) -> None:
     """Create and register TE's DelayedScaling state for `module`, as eager TE's first FP8
     forward would."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
@@ -56,7 +91,7 @@ def _init_delayed(module, fields: tuple, num_gemms: int) -> None:
     try:
         state.fp8_enabled, state.fp8_calibration = True, False
         state.fp8_recipe, state.fp8_distributed_group = recipe, None
-        module.init_fp8_metadata(num_gemms=num_gemms)
+        module.init_fp8_metadata(num_gemms=num_gemms(module))
     finally:
         manager.set_autocast_state(saved)
     manager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
@@ -68,18 +103,18 @@ def _init_delayed(module, fields: tuple, num_gemms: int) -> None:
 
 
 @torch.compiler.assume_constant_result
-def ensure_delayed_states(fields: tuple, num_gemms: int) -> bool:
-    """DelayedScaling state (for the recipe `fields`) for every live te.Linear that has no FP8
-    state yet. Modules eager TE set up are left to eager TE unless they are registered in TE's
+def ensure_delayed_states(fields: tuple) -> bool:
+    """DelayedScaling state (for the recipe `fields`) for every live TE GEMM module that has no
+    FP8 state yet. Modules eager TE set up are left to eager TE unless they are registered in TE's
     global buffers for this recipe (then only marked): registering a module of another model
     would make compiled code mutate tensors it cannot reach through its own modules, which
     inductor's CUDA graphs refuse (a non-static mutated input)."""
     recipe = DelayedFields(*fields).recipe()
-    for module in _live_linears():
+    for module in _live_modules():
         if getattr(module, DELAYED_ATTR, None) is not None:
             continue
         if not module.fp8_initialized:
-            _init_delayed(module, fields, num_gemms)
+            _init_delayed(module, fields)
         elif module.fp8_meta.get("recipe") == recipe and _registered(module, recipe):
             setattr(module, DELAYED_ATTR, fields)
     return True
@@ -95,32 +130,34 @@ def _registered(module, recipe) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def reinit_delayed_state(module_id: int, fields: tuple, num_gemms: int) -> bool:
+def reinit_delayed_state(module_id: int, fields: tuple) -> bool:
     """DelayedScaling state for the recipe `fields` for one module that has state for another."""
-    for module in _live_linears():
+    for module in _live_modules():
         if id(module) == module_id:
-            _init_delayed(module, fields, num_gemms)
+            _init_delayed(module, fields)
             return True
-    raise RuntimeError(f"te_compile: no live te.Linear with id {module_id}")
+    raise RuntimeError(f"te_compile: no live TE GEMM module with id {module_id}")
 
 
 @torch.compiler.assume_constant_result
-def ensure_weight_caches(config: str, shape: tuple, dtype: str) -> bool:
-    """An FP8 weight cache for config `config` in every live te.Linear whose weight has `shape`
-    and `dtype` (its str()): empty, and marked invalid until quantize_weight fills it."""
+def ensure_weight_caches(config: str, name: str, shape: tuple, dtype: str) -> bool:
+    """An FP8 cache for config `config` of GEMM weight `name` (see gemm_weight_spec) in every
+    live TE GEMM module whose such weight has `shape` and `dtype` (its str()): empty, and
+    marked invalid until quantize_weight fills it."""
     cfg = QuantConfig.from_key(config)
     specs = weight_cache_specs(cfg, shape)
-    for module in _live_linears():
-        weight = getattr(module, module.weight_names[0])
-        if tuple(weight.shape) != shape or str(weight.dtype) != dtype:
+    key = cache_key(name, config)
+    for module in _live_modules():
+        if gemm_weight_spec(module, name) != (shape, dtype):
             continue
         caches = module.__dict__.get(WEIGHT_CACHES_ATTR)
         if caches is None:
             caches = {}
             setattr(module, WEIGHT_CACHES_ATTR, caches)
-        if config not in caches:
+        if key not in caches:
+            like = next(module.parameters())
             with torch.no_grad():
-                valid = weight.new_zeros([1], dtype=torch.float32)
-                parts = [weight.new_empty(s, dtype=d) for s, d in specs]
-            caches[config] = (valid, parts)
+                valid = like.new_zeros([1], dtype=torch.float32)
+                parts = [like.new_empty(s, dtype=d) for s, d in specs]
+            caches[key] = (valid, parts)
     return True

@@ -1,0 +1,300 @@
+"""What the compile paths of TE's GEMM modules (te.Linear, te.LayerNormLinear,
+te.LayerNormMLP) share at trace time: the recipe as a `QuantConfig`, the options they refuse,
+the activation dtype, DelayedScaling state and FP8 weight caches. Error messages name the
+module (`name`, e.g. "te.LayerNormLinear").
+
+Everything here runs while dynamo traces a patched forward: it reads module attributes and the
+autocast state as trace-time constants and calls only traceable code (or
+`assume_constant_result` functions, see persistent_state.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UnsupportedUnderCompileError
+from ..ops.fp8_operands import CACHEABLE_KINDS
+from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
+from . import persistent_state
+
+WAY_OUT = "run this module outside torch.compile (or wrap the call in torch.compiler.disable)"
+
+
+def unsupported(name: str, option: str, fix: str = "") -> UnsupportedUnderCompileError:
+    """The error for a TE option the compiled path of module `name` does not implement."""
+    fix = f"{fix}, or {WAY_OUT}" if fix else WAY_OUT
+    return UnsupportedUnderCompileError(
+        f"{name} with {option} is not supported under torch.compile by te_compile; {fix}."
+    )
+
+
+def is_quantized(t) -> bool:
+    from transformer_engine.pytorch.quantized_tensor import QuantizedTensorStorage
+
+    return isinstance(t, QuantizedTensorStorage)
+
+
+# ---- recipe ------------------------------------------------------------------------------------
+
+
+def quant_config(name: str, recipe) -> QuantConfig:
+    """The QuantConfig of `recipe` (None: no FP8) for module `name`'s GEMMs; refuses recipes
+    and recipe options the compiled path does not rebuild."""
+    if recipe is None:
+        return QuantConfig()
+    from transformer_engine.common import recipe as R
+
+    supported = (
+        R.DelayedScaling,
+        R.Float8CurrentScaling,
+        R.Float8BlockScaling,
+        R.MXFP8BlockScaling,
+        R.NVFP4BlockScaling,
+    )
+    if not isinstance(recipe, supported):
+        raise unsupported(
+            name,
+            f"the {type(recipe).__name__} recipe",
+            "use DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling or "
+            "NVFP4BlockScaling under compile",
+        )
+    if isinstance(recipe, R.DelayedScaling):
+        _check_delayed(name, recipe)
+    if isinstance(recipe, R.NVFP4BlockScaling):
+        _check_nvfp4(name, recipe)
+    if recipe.backward_override is not None:
+        raise unsupported(
+            name,
+            f"backward_override={recipe.backward_override!r}",
+            "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
+        )
+    return for_linear(
+        recipe, fp8_transpose=fp8_transpose_layout(), fused_update=not unfused_update_requested()
+    )
+
+
+@torch.compiler.assume_constant_result
+def fp8_transpose_layout() -> bool:
+    """Whether per-tensor FP8 keeps a separate transpose: TE's is_non_tn_fp8_gemm_supported
+    rule, decided once at trace time from TE's cached capability (no driver call is traced;
+    comparing the capability tuple in traced code trips dynamo on torch 2.11)."""
+    from transformer_engine.pytorch import utils
+
+    cc = utils.get_device_compute_capability()
+    return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
+
+
+def _check_nvfp4(name: str, recipe) -> None:
+    """NVFP4 options whose quantizers and storages the compiled path does not rebuild."""
+    if recipe.row_scaled_activation:
+        raise unsupported(
+            name,
+            "NVFP4BlockScaling(row_scaled_activation=True)",
+            "use row_scaled_activation=False (NVTE_NVFP4_ROW_SCALED_ACTIVATION unset)",
+        )
+    if recipe.nvfp4_4over6 != "none":
+        raise unsupported(
+            name,
+            f"NVFP4BlockScaling(nvfp4_4over6={recipe.nvfp4_4over6!r})",
+            "use nvfp4_4over6='none' (NVTE_NVFP4_4OVER6 unset)",
+        )
+
+
+def _check_delayed(name: str, recipe) -> None:
+    if callable(recipe.amax_compute_algo) or recipe.scaling_factor_compute_algo is not None:
+        raise unsupported(
+            name,
+            "a DelayedScaling with a callable amax_compute_algo or scaling_factor_compute_algo",
+            "use amax_compute_algo='max' or 'most_recent' and no scaling_factor_compute_algo",
+        )
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    group = state.get_fp8_group()
+    if group is not None and recipe.reduce_amax:
+        raise unsupported(
+            name,
+            "DelayedScaling amax reduction over te.autocast(amax_reduction_group=...)",
+            "set reduce_amax=False",
+        )
+
+
+def autocast_recipe(name: str):
+    """(fp8 enabled, recipe or None) of the current te.autocast, read at trace time."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    fp8 = state.is_fp8_enabled()
+    if state.is_fp8_calibration():
+        raise unsupported(name, "te.autocast(calibrating=True)", "calibrate eagerly")
+    return fp8, (state.get_fp8_recipe() if fp8 else None)
+
+
+# ---- options -----------------------------------------------------------------------------------
+
+_USERBUFFERS = (
+    "ub_overlap_rs_fprop",
+    "ub_overlap_ag_fprop",
+    "ub_overlap_rs_dgrad",
+    "ub_overlap_ag_dgrad",
+    "ub_overlap_rs",
+    "ub_overlap_ag",
+    "ub_bulk_dgrad",
+    "ub_bulk_wgrad",
+)
+
+
+def check_module_options(
+    name: str,
+    m,
+    weights: list,
+    *,
+    is_first_microbatch,
+    fp8_output: bool,
+    fp8_grad: bool,
+    cfg: QuantConfig,
+) -> None:
+    """The options every TE GEMM module shares that the compiled path does not implement:
+    raise, naming them. `weights` are the module's high-precision GEMM weights."""
+    from transformer_engine.debug.pytorch.debug_state import TEDebugState
+    from transformer_engine.pytorch import cpu_offload, distributed
+
+    fp8 = cfg.fp8
+    if m.fuse_wgrad_accumulation:
+        for weight in weights:
+            check_main_grad(name, weight)
+    if fp8 and is_first_microbatch is not None and cfg.kind not in CACHEABLE_KINDS:
+        raise unsupported(
+            name,
+            f"is_first_microbatch (FP8 weight caching) with {cfg.kind}",
+            "pass is_first_microbatch=None",
+        )
+    # Without FP8 these are inert in eager TE (no quantizers), so only FP8 refuses them.
+    if fp8 and fp8_output:
+        raise unsupported(name, "fp8_output=True", "pass fp8_output=False")
+    if fp8 and fp8_grad:
+        raise unsupported(name, "fp8_grad=True", "pass fp8_grad=False")
+    for option in _USERBUFFERS:
+        if getattr(m, option, False):
+            raise unsupported(name, f"userbuffers overlap ({option}=True)", f"set {option}=False")
+    if m.tp_size > 1 or m.sequence_parallel:
+        raise unsupported(
+            name,
+            "tensor/sequence parallelism (tp_size > 1 or sequence_parallel=True)",
+            "use tp_size=1 and sequence_parallel=False",
+        )
+    if m.fsdp_group is not None:
+        raise unsupported(name, "TE-managed FSDP (fsdp_group)", "use FSDP2")
+    if m.wgrad_store is not None and m.wgrad_store.delay_wgrad_compute():
+        raise unsupported(name, "delay_wgrad_compute=True", "set delay_wgrad_compute=False")
+    if m.primary_weights_in_fp8 or any(is_quantized(w) for w in weights):
+        raise unsupported(
+            name,
+            "FP8 parameters (quantized_model_init)",
+            "create the module with high-precision weights",
+        )
+    if TEDebugState.debug_enabled:
+        raise unsupported(name, "TE debug mode (nvidia-dlfw-inspect)", "disable TE debug")
+    if cpu_offload.is_cpu_offload_enabled():
+        raise unsupported(name, "CPU activation offloading", "disable CPU offload")
+    if distributed.is_fp8_activation_recompute_enabled():
+        raise unsupported(name, "TE activation recompute (te.distributed.checkpoint) with FP8")
+
+
+def check_main_grad(name: str, weight) -> None:
+    if getattr(weight, "main_grad", None) is None:
+        raise RuntimeError(
+            f"{name}(fuse_wgrad_accumulation=True) needs weight.main_grad to be set "
+            "before the forward (te_compile reads it when tracing)"
+        )
+    for attr in ("grad_added_to_main_grad", "overwrite_main_grad", "zero_out_wgrad"):
+        if hasattr(weight, attr):
+            raise unsupported(
+                name,
+                f"fuse_wgrad_accumulation with a weight carrying {attr!r} (Megatron-Core "
+                "DDP's hook attributes)",
+                "accumulate into weight.main_grad without those attributes",
+            )
+
+
+# ---- tensors -----------------------------------------------------------------------------------
+
+
+def activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
+    """TE's set_activation_dtype, without writing it to the module."""
+    if torch.is_autocast_enabled("cuda"):
+        return torch.get_autocast_dtype("cuda")
+    for pname, param in m.named_parameters():
+        if param is not None and param.dtype != inp.dtype:
+            raise TypeError(
+                "Data types for parameters must match when outside of autocasted region. "
+                f"Found input dtype: {inp.dtype} and {pname!r} dtype: {param.dtype}"
+            )
+    return inp.dtype
+
+
+def check_device(device_types, *tensors: torch.Tensor) -> None:
+    if any(t.device.type not in device_types for t in tensors):
+        devices = ", ".join(str(t.device) for t in tensors)
+        raise RuntimeError(f"TransformerEngine needs CUDA: got tensors on {devices}.")
+
+
+def check_fp8_dims(**tensors: torch.Tensor) -> None:
+    """TE's assert_dim_for_fp8_exec, as a ValueError naming the tensor."""
+    for tname, t in tensors.items():
+        if math.prod(t.shape[:-1]) % 8 != 0 or t.shape[-1] % 16 != 0:
+            raise ValueError(
+                f"FP8 execution requires the {tname}'s product of all dimensions except "
+                "the last to be divisible by 8 and its last dimension to be divisible by "
+                f"16, got {list(t.shape)}"
+            )
+
+
+# ---- persistent state --------------------------------------------------------------------------
+
+
+def delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list]:
+    """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py):
+    ([fwd scale, fwd amax_history[0]], [bwd scale, bwd amax_history])."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+    fields = DelayedFields.values_of(recipe)
+    persistent_state.ensure_delayed_states(fields)
+    if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
+        persistent_state.reinit_delayed_state(id(m), fields)  # made for another recipe
+    fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
+    # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
+    # backward update of every registered state; each compiled module updates its own state at
+    # the end of its backward instead. The flag is still consumed, as TE does.
+    if grad_needed:
+        state.is_first_fp8_module()
+    return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
+
+
+def fp8_module_state(m, recipe, cfg: QuantConfig, grad_needed: bool) -> tuple[list, list]:
+    """(fwd_state, bwd_state) for the ops: DelayedScaling's state, else empty lists (the
+    first-module flag consumed as eager TE consumes it)."""
+    if cfg.kind == "delayed":
+        return delayed_state(m, recipe, grad_needed)
+    if cfg.fp8 and grad_needed:
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+        state.is_first_fp8_module()
+    return [], []
+
+
+def cached_weight(
+    m, name: str, weight, cfg: QuantConfig, fwd_state: list, refresh: bool, gemm: int = 0
+):
+    """The module's FP8 cache of GEMM weight `name` (persistent_state.gemm_weight_spec) for
+    `cfg`, refreshed as eager TE refreshes its weight workspace: always on a first
+    microbatch, otherwise only while it holds nothing. `gemm` picks the GEMM's DelayedScaling
+    slots (TE's 3 forward slots per GEMM)."""
+    persistent_state.ensure_weight_caches(cfg.key, name, tuple(weight.shape), str(weight.dtype))
+    caches = getattr(m, persistent_state.WEIGHT_CACHES_ATTR)
+    valid, parts = caches[persistent_state.cache_key(name, cfg.key)]
+    scale, amax = fwd_state or [None, None]
+    if fwd_state and gemm:
+        scale, amax = scale[3 * gemm : 3 * gemm + 3], amax[3 * gemm : 3 * gemm + 3]
+    torch.ops.te_compile.quantize_weight(weight, parts, valid, scale, amax, cfg.key, refresh)
+    return parts
