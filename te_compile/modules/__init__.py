@@ -7,6 +7,6 @@ from ..patching import Swap
 
 
 def swaps() -> list[Swap]:
-    from . import linear
+    from . import layernorm, layernorm_linear, linear
 
-    return linear.swaps()
+    return linear.swaps() + layernorm.swaps() + layernorm_linear.swaps()
