@@ -44,3 +44,198 @@ def test_layernorm_mlp_ops_opcheck_on_fake(name, act, norm, bias, return_ln, fak
     args = mlp_cases.fwd_args(_config(name), mlp, bias, name == "delayed")
     torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_fwd.default, args)
     torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_bwd.default, mlp_cases.bwd_args(args))
+
+
+# ---- the module, traced ----------------------------------------------------------------------
+
+FWD, BWD = "te_compile.layernorm_mlp_fwd.default", "te_compile.layernorm_mlp_bwd.default"
+UPDATE = "te_compile.amax_and_scale_update.default"
+HIDDEN, FFN = 64, 128
+
+
+@pytest.fixture
+def meta_gpu(patched, fake_gpu, monkeypatch):
+    """`meta_gpu("hopper")`: compiled paths accept meta tensors and TE's recipe state is
+    allocated on meta (joint traces without a GPU)."""
+    import contextlib
+
+    from te_compile_testing import meta_accepted, recipe_state_on
+
+    stack = contextlib.ExitStack()
+
+    def enter(generation):
+        fake_gpu(generation)
+        stack.enter_context(meta_accepted())
+        stack.enter_context(recipe_state_on("meta"))
+
+    yield enter
+    stack.close()
+
+
+def make_mlp(**kwargs):
+    import transformer_engine.pytorch as te
+
+    from te_compile_testing import build_without_gpu
+
+    kwargs.setdefault("params_dtype", torch.bfloat16)
+    return build_without_gpu(lambda: te.LayerNormMLP(HIDDEN, FFN, device="meta", **kwargs), "meta")
+
+
+def step_fn(module, recipe, **call_kwargs):
+    import contextlib
+
+    import transformer_engine.pytorch as te
+
+    def step(x):
+        ctx = te.autocast(recipe=recipe) if recipe is not None else contextlib.nullcontext()
+        with ctx:
+            return module(x, **call_kwargs)
+
+    return step
+
+
+def joint_trace(module, recipe, x, **call_kwargs):
+    """Compile one step (fullgraph, AOTAutograd recording), run forward and backward."""
+    from te_compile_testing import JointRecorder
+
+    rec = JointRecorder()
+    out = torch.compile(
+        step_fn(module, recipe, **call_kwargs), backend=rec.backend, fullgraph=True
+    )(x)
+    outs = out if isinstance(out, tuple) else (out,)
+    sum(o.float().sum() for o in outs if o is not None and o.requires_grad).backward()
+    return out, rec
+
+
+def x_meta(shape=(4, 8, HIDDEN), requires_grad=True, dtype=torch.bfloat16):
+    return torch.empty(shape, device="meta", dtype=dtype, requires_grad=requires_grad)
+
+
+def _targets(graphs):
+    from te_compile_testing import op_targets
+
+    return op_targets(graphs)
+
+
+ACTIVATIONS = list(__import__("te_compile.ops.activation", fromlist=["x"]).ACTIVATIONS)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_activation_x_recipe_joint_graph(act, name, meta_gpu, graph_breaks):
+    make, generation = RECIPES[name]
+    meta_gpu(generation)
+    mlp = make_mlp(activation=act)
+    x = x_meta()
+    out, rec = joint_trace(mlp, make(), x)
+    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
+    assert _targets(rec.fw).count(FWD) == 1 and _targets(rec.bw).count(BWD) == 1
+    assert x.grad.shape == x.shape
+    fc1_out = (
+        2 * FFN
+        if act in ("geglu", "glu", "qgeglu", "reglu", "sreglu", "swiglu", "clamped_swiglu")
+        else FFN
+    )
+    assert mlp.fc1_weight.grad.shape == (fc1_out, HIDDEN)
+    assert mlp.fc2_weight.grad.shape == (HIDDEN, FFN)
+    for p in (mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.fc1_bias, mlp.fc2_bias):
+        assert p.grad is not None and p.grad.shape == p.shape
+    if name == "delayed":
+        assert _targets(rec.fw).count(UPDATE) == 1  # the forward update at autocast exit
+        assert mlp.fp8_meta["scaling_fwd"].amax_history.shape[1] == 6  # two GEMMs
+        assert mlp.fp8_meta["scaling_bwd"].amax_history.shape[1] == 4
+
+
+OPTION_CASES = {
+    "rmsnorm": dict(normalization="RMSNorm"),
+    "no_bias": dict(bias=False),
+    "return_ln": dict(return_layernorm_output=True),
+    "return_ln_rmsnorm_nobias": dict(
+        return_layernorm_output=True, normalization="RMSNorm", bias=False
+    ),
+    "zero_centered_gamma": dict(zero_centered_gamma=True),
+    "return_bias": dict(return_bias=True),
+    "return_bias_and_ln": dict(return_bias=True, return_layernorm_output=True),
+    "set_parallel_mode": dict(set_parallel_mode=True),
+    "clamped_swiglu_params": dict(
+        activation="clamped_swiglu", activation_params={"limit": 5.0, "alpha": 1.5}
+    ),
+}
+
+
+@pytest.mark.parametrize("option", list(OPTION_CASES))
+@pytest.mark.parametrize("name", ["none", "current", "delayed", "mxfp8"])
+def test_options_joint_graph(option, name, meta_gpu, graph_breaks):
+    make, generation = RECIPES[name]
+    meta_gpu(generation)
+    kwargs = dict(OPTION_CASES[option])
+    mlp = make_mlp(**kwargs)
+    x = x_meta()
+    out, rec = joint_trace(mlp, make(), x)
+    assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
+    outs = out if isinstance(out, tuple) else (out,)
+    assert outs[0].shape == x.shape
+    if kwargs.get("return_layernorm_output"):
+        assert outs[-1].shape == x.shape
+    if kwargs.get("return_bias"):
+        assert outs[1].shape == (HIDDEN,)
+    assert x.grad.shape == x.shape and mlp.layer_norm_weight.grad is not None
+    assert mlp.fc1_weight.grad is not None and mlp.fc2_weight.grad is not None
+    node = next(n for n in rec.fw[0].graph.nodes if str(n.target) == FWD)
+    mlp_cfg = layernorm_mlp.MLPConfig.from_key(node.args[14])
+    assert mlp_cfg.normalization == mlp.normalization
+    assert mlp_cfg.zero_centered_gamma == mlp.zero_centered_gamma
+    if option == "clamped_swiglu_params":
+        assert mlp_cfg.params == (5.0, 1.5, 1.0)
+
+
+@pytest.mark.parametrize("name", ["none", "current", "block"])
+def test_forward_fake_cuda_one_graph(name, patched, fake_gpu, fake_cuda, backend, graph_breaks):
+    """Forward only on fake CUDA tensors (no meta): one graph, one op, TE's decoded recipe."""
+    import transformer_engine.pytorch as te
+
+    from te_compile_testing import cuda_reported_available
+
+    fake_gpu("hopper")
+    with cuda_reported_available():
+        mlp = te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.bfloat16, device="meta")
+    for owner in mlp.modules():
+        for pname, p in list(owner.named_parameters(recurse=False)):
+            setattr(
+                owner, pname, torch.nn.Parameter(torch.empty(p.shape, device="cuda", dtype=p.dtype))
+            )
+    x = torch.empty(4, 8, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    out = torch.compile(step_fn(mlp, RECIPES[name][0]()), backend=backend, fullgraph=True)(x)
+    assert out.shape == x.shape and len(backend.graphs) == 1 and graph_breaks() == 0
+    assert backend.targets().count("te_compile.layernorm_mlp_fwd") == 1
+
+
+def test_no_grad_saves_nothing(meta_gpu):
+    meta_gpu("hopper")
+    from te_compile_testing import JointRecorder
+
+    mlp = make_mlp()
+    rec = JointRecorder()
+    with torch.no_grad():
+        torch.compile(step_fn(mlp, R.Float8CurrentScaling()), backend=rec.backend, fullgraph=True)(
+            x_meta(requires_grad=False)
+        )
+    node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == FWD)
+    assert node.args[16:20] == (False, False, False, False)
+    assert len(node.meta["val"]) == 1  # just the output
+
+
+def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
+    """Only the input needs a grad: no FC1/FC2 input parts are saved, no wgrads run."""
+    meta_gpu("hopper")
+    mlp = make_mlp()
+    for p in mlp.parameters():
+        p.requires_grad_(False)
+    x = x_meta()
+    _, rec = joint_trace(mlp, R.Float8CurrentScaling(), x)
+    assert graph_breaks() == 0 and x.grad.shape == x.shape
+    node = next(n for n in rec.fw[0].graph.nodes if str(n.target) == FWD)
+    assert node.args[16:20] == (True, False, True, False)
+    # mu, rsigma, FC1 weight parts (2), fc1_out, FC2 weight parts (2)
+    assert len(node.meta["val"]) == 1 + 2 + 2 + 1 + 2

@@ -1,0 +1,201 @@
+"""te.LayerNormMLP under torch.compile: the patched `LayerNormMLP.forward`.
+
+Not compiling: TE's own forward, unchanged. While dynamo traces: reads the autocast state and
+the module's configuration as trace-time constants, refuses what it does not implement
+(naming the option), checks the input as TE does, and calls `te_compile::layernorm_mlp_fwd`
+(whose autograd formula calls `te_compile::layernorm_mlp_bwd`), plus
+`te_compile::quantize_weight` per GEMM weight for FP8 weight caching (is_first_microbatch).
+
+Supported: LayerNorm and RMSNorm, every activation of TE's table (ops/activation.py) with
+activation_params, bias on/off, return_bias, return_layernorm_output, zero_centered_gamma,
+set_parallel_mode without TP, fuse_wgrad_accumulation, is_first_microbatch, and the recipes of
+te.Linear (none, Float8CurrentScaling, Float8BlockScaling, DelayedScaling, MXFP8BlockScaling,
+NVFP4BlockScaling). DelayedScaling state is TE's own fp8_meta with two GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..ops import activation
+from ..ops.layernorm_mlp import MLPConfig
+from ..patching import Swap
+from ..recipes import QuantConfig
+from . import gemm_common
+
+NAME = "te.LayerNormMLP"
+
+
+def _unsupported(option: str, fix: str = ""):
+    return gemm_common.unsupported(NAME, option, fix)
+
+
+def _bias_gelu_fusion(m) -> bool:
+    """TE's bias-GeLU fusion switch as its forward leaves it: on for GELU unless
+    NVTE_BIAS_GELU_NVFUSION=0, and turned off (for good, in eager TE) under non-reentrant
+    activation recompute."""
+    from transformer_engine.pytorch.distributed import use_reentrant_activation_recompute
+
+    return bool(m.bias_gelu_nvfusion) and use_reentrant_activation_recompute()
+
+
+def _check_mlp_options(m, cfg: QuantConfig) -> None:
+    """The LayerNormMLP options beyond the shared ones (gemm_common) this path refuses."""
+    if m.activation not in activation.ACTIVATIONS:
+        raise NotImplementedError("Activation type " + m.activation + " is not supported!")
+    if m.checkpoint:
+        raise _unsupported(
+            "checkpoint=True (recomputing FC1 and the activation in backward)",
+            "use checkpoint=False (or torch.utils.checkpoint around the module)",
+        )
+    if m.return_layernorm_output_gathered:
+        raise _unsupported(
+            "return_layernorm_output_gathered=True (a sequence-parallel option)",
+            "use return_layernorm_output",
+        )
+    if cfg.fp8 and m.gemm_gelu_fusion:
+        raise _unsupported(
+            "NVTE_GEMM_GELU_FUSION=1 (GELU fused into the FP8 FC1 GEMM)",
+            "unset NVTE_GEMM_GELU_FUSION",
+        )
+    if not cfg.fp8 and m.activation == "gelu" and not _bias_gelu_fusion(m):
+        raise _unsupported(
+            "GELU in cuBLAS GEMM epilogues (TE's choice without FP8 when its bias-GeLU fusion "
+            "is off: NVTE_BIAS_GELU_NVFUSION=0 or non-reentrant activation recompute)",
+            "leave NVTE_BIAS_GELU_NVFUSION unset and use reentrant activation recompute",
+        )
+
+
+def _check_input(m, inp: torch.Tensor, fp8: bool) -> None:
+    from . import linear
+
+    if gemm_common.is_quantized(inp):
+        raise _unsupported("a quantized input tensor", "pass a high-precision tensor")
+    gemm_common.check_device(linear.DEVICE_TYPES, inp, m.fc1_weight, m.fc2_weight)
+    hidden = m.layer_norm_weight.numel()
+    if inp.shape[-1] != hidden:
+        raise ValueError(
+            f"{NAME}: input's last dimension {inp.shape[-1]} does not match hidden_size={hidden}"
+        )
+    if fp8:
+        gemm_common.check_fp8_dims(
+            input=inp.reshape(-1, hidden), fc1_weight=m.fc1_weight, fc2_weight=m.fc2_weight
+        )
+
+
+def _requires_grad(t) -> bool:
+    return t is not None and t.requires_grad
+
+
+def compiled_forward(self, inp, is_first_microbatch=None):
+    """The traceable te.LayerNormMLP forward (see the module docstring)."""
+    fp8, recipe = gemm_common.autocast_recipe(NAME)
+    cfg = gemm_common.quant_config(NAME, recipe)
+    w1, w2 = self.fc1_weight, self.fc2_weight
+    gemm_common.check_module_options(
+        NAME,
+        self,
+        [w1, w2],
+        is_first_microbatch=is_first_microbatch,
+        fp8_output=False,
+        fp8_grad=False,
+        cfg=cfg,
+    )
+    _check_mlp_options(self, cfg)
+    _check_input(self, inp, fp8)
+    act_dtype = gemm_common.activation_dtype(self, inp)
+    inp = inp.contiguous()
+
+    ln_w, ln_b = self.layer_norm_weight, self.layer_norm_bias
+    b1 = self.fc1_bias if self.use_bias else None
+    b2 = self.fc2_bias if self.use_bias else None
+    b2_fused = b2 if self.apply_bias and not self.gemm_bias_unfused_add else None
+    grad = torch.is_grad_enabled()
+    # What backward reads, decided as eager TE decides it (from requires_grad at forward).
+    save_norm = grad and (inp.requires_grad or ln_w.requires_grad or _requires_grad(ln_b))
+    save_fc1_input = grad and w1.requires_grad
+    save_fc1_out = grad and (save_norm or w1.requires_grad or _requires_grad(b1))
+    save_fc2_input = grad and w2.requires_grad
+    grad_needed = save_fc1_out or save_fc2_input or (grad and _requires_grad(b2_fused))
+    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg, grad_needed)
+
+    fc1_cache, fc2_cache = [], []
+    if fp8 and is_first_microbatch is not None:
+        refresh = bool(is_first_microbatch)
+        fc1_cache = gemm_common.cached_weight(
+            self, "fc1_weight", w1, cfg, fwd_state, refresh, gemm=0
+        )
+        fc2_cache = gemm_common.cached_weight(
+            self, "fc2_weight", w2, cfg, fwd_state, refresh, gemm=1
+        )
+    fuse = self.fuse_wgrad_accumulation
+    main1 = w1.main_grad if fuse and w1.requires_grad else None
+    main2 = w2.main_grad if fuse and w2.requires_grad else None
+    # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
+    accumulate = not is_first_microbatch if is_first_microbatch is not None else True
+
+    mlp = MLPConfig(
+        normalization=self.normalization,
+        eps=self.eps,
+        zero_centered_gamma=self.zero_centered_gamma,
+        activation=self.activation,
+        params=activation.params_tuple(self.activation, self.activation_params),
+        fwd_sm_margin=self.fwd_ln_sm_margin if grad else self.inf_ln_sm_margin,
+        bwd_sm_margin=self.bwd_ln_sm_margin,
+        bias_gelu=not fp8 and self.activation == "gelu" and _bias_gelu_fusion(self),
+        return_ln=self.return_layernorm_output,
+    )
+    outputs = torch.ops.te_compile.layernorm_mlp_fwd(
+        inp,
+        ln_w,
+        ln_b,
+        w1,
+        b1,
+        w2,
+        b2_fused,
+        fwd_state,
+        bwd_state,
+        fc1_cache,
+        fc2_cache,
+        main1,
+        main2,
+        cfg.key,
+        mlp.key,
+        act_dtype,
+        save_norm,
+        save_fc1_input,
+        save_fc1_out,
+        save_fc2_input,
+        accumulate,
+    )
+    if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)
+        fwd_state[1].copy_(outputs[-1])
+    out = outputs[0]
+    ln_out = outputs[1] if self.return_layernorm_output else None
+    if self.gemm_bias_unfused_add:  # set_parallel_mode: TE adds the bias after the GEMM
+        out = out + b2.to(act_dtype)
+    if self.return_bias:
+        bias_out = b2.to(act_dtype) if b2 is not None else None
+        if self.return_layernorm_output:
+            return out, bias_out, ln_out
+        return out, bias_out
+    if self.return_layernorm_output:
+        return out, ln_out
+    return out
+
+
+def make_forward(original):
+    def forward(self, inp, is_first_microbatch=None):
+        if not torch.compiler.is_compiling():
+            return original(self, inp, is_first_microbatch)
+        return compiled_forward(self, inp, is_first_microbatch)
+
+    forward.__doc__ = original.__doc__
+    return forward
+
+
+def swaps() -> list[Swap]:
+    from transformer_engine.pytorch.module.layernorm_mlp import LayerNormMLP
+
+    return [Swap(LayerNormMLP, "forward", make_forward(vars(LayerNormMLP)["forward"]))]
