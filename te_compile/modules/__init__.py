@@ -7,6 +7,6 @@ from ..patching import Swap
 
 
 def swaps() -> list[Swap]:
-    from . import layernorm, layernorm_linear, linear
+    from . import layernorm, layernorm_linear, layernorm_mlp, linear
 
-    return linear.swaps() + layernorm.swaps() + layernorm_linear.swaps()
+    return linear.swaps() + layernorm.swaps() + layernorm_linear.swaps() + layernorm_mlp.swaps()

@@ -5,6 +5,7 @@ one string, `QuantConfig.key`); TE objects (quantizers, FP8 storages) live insid
 Importing this package registers: te_compile::amax_and_scale_update (delayed_scaling.py),
 te_compile::linear_fwd, te_compile::linear_bwd and te_compile::quantize_weight (linear.py),
 te_compile::norm_fwd and te_compile::norm_bwd (norm.py), te_compile::layernorm_linear_fwd and
-te_compile::layernorm_linear_bwd (layernorm_linear.py)."""
+te_compile::layernorm_linear_bwd (layernorm_linear.py), te_compile::layernorm_mlp_fwd and
+te_compile::layernorm_mlp_bwd (layernorm_mlp.py)."""
 
-from . import delayed_scaling, layernorm_linear, linear, norm  # noqa: F401
+from . import delayed_scaling, layernorm_linear, layernorm_mlp, linear, norm  # noqa: F401
