@@ -28,9 +28,9 @@ def patch() -> None:
     if _PATCHER.active:
         return
     check_versions()
-    from . import autocast, modules
+    from . import autocast, inline_recipes, modules
 
-    _PATCHER.apply(autocast.swaps() + modules.swaps())
+    _PATCHER.apply(autocast.swaps() + inline_recipes.swaps() + modules.swaps())
 
 
 def unpatch() -> None:
@@ -40,6 +40,25 @@ def unpatch() -> None:
 
 def is_patched() -> bool:
     return _PATCHER.active
+
+
+def simulate_gpu(arch: str = "hopper"):
+    """Context manager: run TE model code as if on one GPU of `arch` ("hopper"/"sm90",
+    "blackwell"/"sm100") on any machine; "cuda" tensors land on the meta device, so
+    torch.compile traces forward and backward without a driver (te_compile/simulate.py)."""
+    from .simulate import simulate_gpu as simulate
+
+    return simulate(arch)
+
+
+def check(model_or_fn, *example_inputs, arch: str = "hopper", recipes=None, per_module=True):
+    """Trace a model forward + backward with fullgraph per recipe under simulate_gpu(arch) and
+    return a CheckReport (print it for the table; `.ok` gates CI). See te_compile/check.py."""
+    from .check import check as run_check
+
+    return run_check(
+        model_or_fn, *example_inputs, arch=arch, recipes=recipes, per_module=per_module
+    )
 
 
 def doctor() -> str:
@@ -54,6 +73,8 @@ __all__ = [
     "unpatch",
     "is_patched",
     "doctor",
+    "simulate_gpu",
+    "check",
     "check_versions",
     "supported_range",
     "TECompileError",

@@ -13,13 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _INHERITED = object()  # marks a class attribute that lived on a base class
+DELETED = object()  # a Swap replacement that removes the attribute while patched
 
 
 @dataclass(frozen=True)
 class Swap:
     owner: Any  # a class or a module
     name: str
-    replacement: Any  # for classes: the raw descriptor (classmethod/staticmethod/function)
+    replacement: Any  # for classes: the raw descriptor (classmethod/staticmethod/function),
+    # or DELETED
 
 
 @dataclass
@@ -72,7 +74,10 @@ class Patcher:
                     targets += _aliases(original, skip=swap.owner)
                 for owner, name in targets:
                     applied.originals.append((owner, name, vars(owner).get(name, _INHERITED)))
-                    setattr(owner, name, swap.replacement)
+                    if swap.replacement is DELETED:
+                        delattr(owner, name)
+                    else:
+                        setattr(owner, name, swap.replacement)
         except BaseException:
             self._restore(applied)
             raise
@@ -88,6 +93,7 @@ class Patcher:
     def _restore(applied: _Applied) -> None:
         for owner, name, original in reversed(applied.originals):
             if original is _INHERITED:
-                delattr(owner, name)
+                if name in vars(owner):
+                    delattr(owner, name)
             else:
                 setattr(owner, name, original)

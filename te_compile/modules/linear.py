@@ -21,9 +21,10 @@ from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
 from . import gemm_common
 
-# Devices the compiled path accepts. Tests add "meta" to trace backward without a GPU (the
-# autograd engine queries the CUDA driver for fake CUDA tensors).
-DEVICE_TYPES = ("cuda",)
+# Devices the compiled path accepts. On "meta" tensors our ops run their fake kernels: that is how
+# te_compile.simulate_gpu traces forward and backward without a GPU (the autograd engine asks the
+# CUDA driver about every CUDA tensor, fake ones included).
+DEVICE_TYPES = ("cuda", "meta")
 NAME = "te.Linear"
 
 

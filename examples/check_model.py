@@ -1,0 +1,29 @@
+"""An example for `python -m te_compile check examples/check_model.py:build`: ordinary GPU code
+that builds a small TE model and its inputs. Run without a GPU, check simulates one."""
+
+import torch
+import transformer_engine.pytorch as te
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int = 256):
+        super().__init__()
+        self.fc1 = te.Linear(hidden, 4 * hidden, params_dtype=torch.bfloat16)
+        self.fc2 = te.Linear(4 * hidden, hidden, params_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+
+def build():
+    model = torch.nn.Sequential(Block(), Block()).cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return model, (x,)
+
+
+def build_unsupported():
+    """The same model with one option te-compile refuses under compile (delay_wgrad_compute):
+    check exits non-zero, naming the option and the way out."""
+    model, inputs = build()
+    model[1].fc2 = te.Linear(1024, 256, params_dtype=torch.bfloat16, delay_wgrad_compute=True)
+    return model.cuda(), inputs
