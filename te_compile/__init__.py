@@ -9,13 +9,17 @@ route through te-compile's traceable twins and custom ops (see docs/architecture
 
 from __future__ import annotations
 
+from .check import check  # noqa: F401  (also binds te_compile.check to the function)
 from .errors import (
     RecipeNotSupportedError,
     TECompileError,
     UnsupportedUnderCompileError,
     UnsupportedVersionError,
 )
+from .graph_capture import capture
 from .patching import Patcher
+from .simulate import simulate_gpu
+from .tf32 import configure_tf32
 from .versions import check_versions, supported_range
 
 __version__ = "0.1.0"
@@ -42,25 +46,6 @@ def is_patched() -> bool:
     return _PATCHER.active
 
 
-def simulate_gpu(arch: str = "hopper"):
-    """Context manager: run TE model code as if on one GPU of `arch` ("hopper"/"sm90",
-    "blackwell"/"sm100") on any machine; "cuda" tensors land on the meta device, so
-    torch.compile traces forward and backward without a driver (te_compile/simulate.py)."""
-    from .simulate import simulate_gpu as simulate
-
-    return simulate(arch)
-
-
-def check(model_or_fn, *example_inputs, arch: str = "hopper", recipes=None, per_module=True):
-    """Trace a model forward + backward with fullgraph per recipe under simulate_gpu(arch) and
-    return a CheckReport (print it for the table; `.ok` gates CI). See te_compile/check.py."""
-    from .check import check as run_check
-
-    return run_check(
-        model_or_fn, *example_inputs, arch=arch, recipes=recipes, per_module=per_module
-    )
-
-
 def doctor() -> str:
     """A short report of the environment: versions, GPU, recipe support, patch state."""
     from .doctor import report
@@ -75,6 +60,8 @@ __all__ = [
     "doctor",
     "simulate_gpu",
     "check",
+    "configure_tf32",
+    "capture",
     "check_versions",
     "supported_range",
     "TECompileError",
