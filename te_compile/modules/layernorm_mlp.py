@@ -22,7 +22,7 @@ from ..ops import activation
 from ..ops.layernorm_mlp import MLPConfig
 from ..patching import Swap
 from ..recipes import QuantConfig
-from . import gemm_common
+from . import gemm_common, persistent_state
 
 NAME = "te.LayerNormMLP"
 
@@ -123,6 +123,9 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     fc1_cache, fc2_cache = [], []
     if fp8 and is_first_microbatch is not None:
         refresh = bool(is_first_microbatch)
+        # Both caches exist before either is read: dynamo keeps the cache dict as it first read
+        # it, and would miss an entry created afterwards by the (untraced) ensure function.
+        persistent_state.ensure_weight_caches(cfg.key, "fc2_weight", tuple(w2.shape), str(w2.dtype))
         fc1_cache = gemm_common.cached_weight(
             self, "fc1_weight", w1, cfg, fwd_state, refresh, gemm=0
         )

@@ -239,3 +239,144 @@ def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
     assert node.args[16:20] == (True, False, True, False)
     # mu, rsigma, FC1 weight parts (2), fc1_out, FC2 weight parts (2)
     assert len(node.meta["val"]) == 1 + 2 + 2 + 1 + 2
+
+
+# ---- recipe-specific wiring --------------------------------------------------------------------
+
+
+def _fwd_node(rec):
+    return next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == FWD)
+
+
+@pytest.mark.parametrize("act,bias_gelu", [("gelu", True), ("relu", False)])
+def test_bf16_gelu_uses_tes_bias_gelu_fusion(act, bias_gelu, meta_gpu):
+    meta_gpu("hopper")
+    _, rec = joint_trace(make_mlp(activation=act), None, x_meta())
+    assert layernorm_mlp.MLPConfig.from_key(_fwd_node(rec).args[14]).bias_gelu is bias_gelu
+
+
+def test_delayed_state_is_tes_with_two_gemms(meta_gpu, graph_breaks):
+    from transformer_engine.pytorch import quantization as q
+
+    meta_gpu("hopper")
+    recipe = R.DelayedScaling(amax_history_len=4)
+    mlp = make_mlp()
+    _, rec = joint_trace(mlp, recipe, x_meta())
+    assert graph_breaks() == 0
+    meta = mlp.fp8_meta
+    assert meta["scaling_fwd"].amax_history.shape == (4, 6)
+    assert meta["scaling_bwd"].amax_history.shape == (4, 4)
+    fgs = q.FP8GlobalStateManager
+    buffer = fgs.quantization_state.global_amax_history_buffer[
+        fgs.get_key_in_buffer(True, recipe, None)
+    ]
+    assert any(h is meta["scaling_fwd"].amax_history for h in buffer)
+    # The backward op mutates TE's backward scale and history (its update runs there).
+    bwd = next(n for gm in rec.bw for n in gm.graph.nodes if "auto_functionalized" in str(n.target))
+    assert "layernorm_mlp_bwd" in str(bwd.args[0])
+    mutated = [k for k in bwd.kwargs if "bwd_history" in k or "bwd_scale" in k]
+    assert len(mutated) == 2, bwd.kwargs.keys()  # the state is a mutated input, not None
+
+
+@pytest.mark.parametrize("name", ["current", "delayed", "block"])
+def test_weight_caches_per_gemm_over_microbatches(name, meta_gpu, graph_breaks):
+    """is_first_microbatch: both GEMM weights quantized into caches (quantize_weight), one graph
+    per value of the flag."""
+    make, _ = RECIPES[name]
+    meta_gpu("hopper")
+    mlp = make_mlp()
+    recs = []
+    for first in (True, False, False):
+        _, rec = joint_trace(mlp, make(), x_meta(), is_first_microbatch=first)
+        recs.append(rec)
+        assert _targets(rec.fw).count("te_compile.quantize_weight.default") == 2
+        node = _fwd_node(rec)
+        assert node.args[9] and node.args[10]  # fc1_cache, fc2_cache
+        assert node.args[20] is (not first)  # accumulate
+    assert graph_breaks() == 0
+    caches = mlp._te_compile_weight_caches
+    assert sorted(k.split("|")[0] for k in caches) == ["fc1_weight", "fc2_weight"]
+
+
+@pytest.mark.parametrize("name", ["none", "current"])
+def test_fuse_wgrad_accumulation_writes_main_grad(name, meta_gpu, graph_breaks):
+    make, _ = RECIPES[name]
+    meta_gpu("hopper")
+    mlp = make_mlp(fuse_wgrad_accumulation=True)
+    for w in (mlp.fc1_weight, mlp.fc2_weight):
+        w.main_grad = torch.zeros(w.shape, device="meta", dtype=torch.float32)
+    _, rec = joint_trace(mlp, make(), x_meta())
+    assert graph_breaks() == 0
+    assert mlp.fc1_weight.grad is None and mlp.fc2_weight.grad is None
+    bwd = next(n for gm in rec.bw for n in gm.graph.nodes if "auto_functionalized" in str(n.target))
+    mutated = [k for k in bwd.kwargs if "main_grad" in k]
+    assert len(mutated) == 2, bwd.kwargs.keys()  # both main grads are mutated inputs
+
+
+# ---- what the compiled path refuses, and bad input ----------------------------------------------
+
+
+def _compile_call(mlp, recipe, x, **call_kwargs):
+    return torch.compile(step_fn(mlp, recipe, **call_kwargs), backend="eager", fullgraph=True)(x)
+
+
+REFUSED = {
+    "checkpoint": (dict(checkpoint=True), None, "checkpoint=True"),
+    "gathered": (
+        dict(return_layernorm_output_gathered=True),
+        None,
+        "return_layernorm_output_gathered",
+    ),
+    "delay_wgrad": (dict(delay_wgrad_compute=True), None, "delay_wgrad_compute"),
+    "gemm_gelu_env": ({}, ("gemm_gelu_fusion", True), "NVTE_GEMM_GELU_FUSION"),
+    "no_bias_gelu": ({}, ("bias_gelu_nvfusion", False), "cuBLAS GEMM epilogues"),
+    "tp": ({}, ("tp_size", 2), "tensor/sequence parallelism"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_unsupported_options_are_named(case, meta_gpu):
+    kwargs, attr, match = REFUSED[case]
+    meta_gpu("hopper")
+    mlp = make_mlp(**kwargs)
+    if attr:
+        setattr(mlp, *attr)
+    recipe = None if case == "no_bias_gelu" else R.Float8CurrentScaling()
+    with pytest.raises(Exception, match=f"te.LayerNormMLP with .*{match}.*not supported"):
+        _compile_call(mlp, recipe, x_meta())
+
+
+def test_unknown_activation_raises_tes_error(meta_gpu):
+    meta_gpu("hopper")
+    mlp = make_mlp()
+    mlp.activation = "tanh"
+    with pytest.raises(Exception, match="Activation type tanh is not supported"):
+        _compile_call(mlp, None, x_meta())
+
+
+@pytest.mark.parametrize(
+    "shape,match",
+    [((4, 8, HIDDEN + 16), "does not match hidden_size"), ((3, HIDDEN), "divisible by 8")],
+)
+def test_bad_input_gets_a_clear_error(shape, match, meta_gpu):
+    meta_gpu("hopper")
+    with pytest.raises(Exception, match=match):
+        _compile_call(make_mlp(), R.Float8CurrentScaling(), x_meta(shape))
+
+
+def test_without_patch_te_graph_breaks(fake_gpu, fake_cuda):
+    """Negative control: unpatched, TE's LayerNormMLP does not compile with fullgraph."""
+    import transformer_engine.pytorch as te
+
+    from te_compile_testing import cuda_reported_available
+
+    fake_gpu("hopper")
+    with cuda_reported_available():
+        mlp = te.LayerNormMLP(HIDDEN, FFN, params_dtype=torch.bfloat16, device="meta")
+    for owner in mlp.modules():
+        for pname, p in list(owner.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, device="cuda", dtype=p.dtype)
+            setattr(owner, pname, torch.nn.Parameter(empty))
+    x = torch.empty(4, 8, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(Exception):  # noqa: B017  (dynamo's error type varies by version)
+        torch.compile(step_fn(mlp, None), backend="eager", fullgraph=True)(x)
