@@ -70,7 +70,9 @@ def gemm_weight_spec(module, name: str) -> tuple[tuple, str] | None:
     weights along dim 0), "fc1_weight" / "fc2_weight" for te.LayerNormMLP. None if the module
     has no such weight."""
     if name == "weight" and getattr(module, "weight_names", None):
-        weights = [getattr(module, n) for n in module.weight_names]
+        weights = [getattr(module, n, None) for n in module.weight_names]
+        if not all(isinstance(w, torch.Tensor) for w in weights):
+            return None  # e.g. a module whose construction raised, still alive in a traceback
         rows = sum(w.shape[0] for w in weights)
         return (rows, *weights[0].shape[1:]), str(weights[0].dtype)
     weight = getattr(module, name, None) if name != "weight" else None

@@ -164,7 +164,7 @@ OPTIONS = {
     "return_ln-mxfp8": ("mxfp8", dict(return_layernorm_output=True)),
     "zero_centered_gamma-delayed": ("delayed", dict(zero_centered_gamma=True)),
     "no_bias-block": ("block", dict(bias=False)),
-    "qkv_split-current": ("current", dict(parameters_split=("query", "key", "value"))),
+    "kv_split-current": ("current", dict(parameters_split=("key", "value"))),
     "qkv_split-delayed": ("delayed", dict(parameters_split={"q": 128, "k": 64, "v": 64})),
     "rmsnorm_return_ln-block": (
         "block",
