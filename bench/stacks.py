@@ -7,8 +7,13 @@ block, built from one family of modules:
 - "torch":   torch.nn.Linear, bf16
 - "torchao": torch.nn.Linear converted by torchao.float8 (tensorwise or rowwise scaling)
 
-New module families (norms, attention) add a builder to `BUILDERS`; the benchmark takes the
-builder's name as its `--stack` argument.
+Norm families, each block a residual-free pair of TE modules (eager TE or te_compile):
+
+- "te-lnlinear": te.LayerNormLinear H->4H, GELU, te.LayerNormLinear 4H->H
+- "te-lnmlp":    te.LayerNormMLP(H, 4H, gelu): LayerNorm, FC1, GELU, FC2 in one module
+
+New module families (attention) add a builder to `BUILDERS`; the benchmark takes the
+builder's name as its `--stacks` argument.
 """
 
 from __future__ import annotations
@@ -36,6 +41,28 @@ def _te_linear_stack(hidden: int, layers: int) -> torch.nn.Module:
     )
 
 
+def _te_layernorm_linear_stack(hidden: int, layers: int) -> torch.nn.Module:
+    import transformer_engine.pytorch as te
+
+    def lnlin(i, o):
+        return te.LayerNormLinear(i, o, params_dtype=torch.bfloat16)
+
+    return torch.nn.Sequential(
+        *[MLPBlock(lnlin(hidden, 4 * hidden), lnlin(4 * hidden, hidden)) for _ in range(layers)]
+    )
+
+
+def _te_layernorm_mlp_stack(hidden: int, layers: int) -> torch.nn.Module:
+    import transformer_engine.pytorch as te
+
+    return torch.nn.Sequential(
+        *[
+            te.LayerNormMLP(hidden, 4 * hidden, activation="gelu", params_dtype=torch.bfloat16)
+            for _ in range(layers)
+        ]
+    )
+
+
 def _torch_linear_stack(hidden: int, layers: int) -> torch.nn.Module:
     def lin(i, o):
         return torch.nn.Linear(i, o, device="cuda", dtype=torch.bfloat16)
@@ -58,6 +85,8 @@ def _torchao_stack(scaling: str):
 
 BUILDERS = {
     "te": _te_linear_stack,
+    "te-lnlinear": _te_layernorm_linear_stack,
+    "te-lnmlp": _te_layernorm_mlp_stack,
     "torch": _torch_linear_stack,
     "torchao-tensorwise": _torchao_stack("tensorwise"),
     "torchao-rowwise": _torchao_stack("rowwise"),
