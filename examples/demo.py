@@ -4,8 +4,8 @@ On a GPU: for each recipe, a 3-layer te.Linear MLP trains 20 steps with its forw
 compiled by inductor (fullgraph=True, te.autocast inside), and a fresh copy (same seed) trains the
 same 20 steps with eager TE; a table compares graphs, losses and step times. A recipe that the
 GPU or te-compile does not support prints one row with the reason.
-Without a GPU: the same step function is traced on the CPU as if on Hopper (Blackwell for MXFP8
-and NVFP4), forward on fake CUDA tensors and forward + backward (AOTAutograd) on meta tensors.
+Without a GPU: te_compile.check traces the same MLP, forward + backward with fullgraph=True, as
+if on Hopper (Blackwell for MXFP8 and NVFP4): a table per GPU, per recipe and per te.Linear.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ warnings.filterwarnings("ignore")
 
 import transformer_engine  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
-from torch._dynamo.utils import counters  # noqa: E402  (demo only: counts graph breaks)
 from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS  # noqa: E402
 
 import te_compile  # noqa: E402
-import te_compile_testing as testing  # noqa: E402
+from te_compile_testing import InductorRecorder  # noqa: E402  (counts the graphs compiled)
 
 # name: (recipe factory, the GPU generation the CPU trace pretends to be on)
 RECIPES = {
@@ -43,10 +42,10 @@ LAYERS = ("fc1", "fc2", "fc3")
 
 
 class MLP(torch.nn.Module):
-    def __init__(self, device=None):
+    def __init__(self):
         super().__init__()
         for name in LAYERS:
-            setattr(self, name, te.Linear(DIM, DIM, params_dtype=torch.bfloat16, device=device))
+            setattr(self, name, te.Linear(DIM, DIM, params_dtype=torch.bfloat16))
 
     def forward(self, x):
         x = torch.nn.functional.gelu(self.fc1(x))
@@ -80,80 +79,25 @@ def reason(e: BaseException, width: int = 140) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-# ---- without a GPU: trace report ---------------------------------------------------------------
-
-
-def te_ops(graphs) -> list[str]:
-    return [t for t in testing.op_targets(graphs) if t.startswith("te_compile")]
-
-
-def ops_per_layer(graphs) -> list[int]:
-    """te_compile ops in the dynamo graphs, by the te.Linear they were traced in (last: other)."""
-    counts = dict.fromkeys((*LAYERS, "other"), 0)
-    for gm in graphs:
-        for n in gm.graph.nodes:
-            if n.op == "call_function" and str(n.target).startswith("te_compile"):
-                paths = [path for path, _ in n.meta.get("nn_module_stack", {}).values()]
-                layers = [p.rsplit(".", 1)[-1] for p in paths if p.rsplit(".", 1)[-1] in LAYERS]
-                counts[layers[-1] if layers else "other"] += 1
-    return list(counts.values())
-
-
-def trace_forward(recipe, generation):
-    torch._dynamo.reset()
-    FGS.reset()
-    counters.clear()
-    backend = testing.RecordingBackend()
-    # TE's DelayedScaling state is made for real while tracing: on meta, as there is no GPU.
-    with testing.pretend_gpu(generation), testing.fake_cuda(), testing.recipe_state_on("meta"):
-        model = testing.build_without_gpu(lambda: MLP(device="meta"), "cuda")
-        x = torch.empty(TOKENS, DIM, device="cuda", dtype=torch.bfloat16)
-        y = torch.empty(TOKENS, DIM, device="cuda")
-        torch.compile(loss_fn(model, recipe), backend=backend, fullgraph=True)(x, y)
-    return len(backend.graphs), sum(counters["graph_break"].values()), backend.graphs
-
-
-def trace_joint(recipe, generation):
-    torch._dynamo.reset()
-    FGS.reset()
-    rec = testing.JointRecorder()
-    with testing.pretend_gpu(generation), testing.meta_accepted(), testing.recipe_state_on("meta"):
-        model = testing.build_without_gpu(lambda: MLP(device="meta"), "meta")
-        x = torch.empty(TOKENS, DIM, device="meta", dtype=torch.bfloat16)
-        y = torch.empty(TOKENS, DIM, device="meta")
-        torch.compile(loss_fn(model, recipe), backend=rec.backend, fullgraph=True)(x, y).backward()
-    missing = "" if all(p.grad is not None for p in model.parameters()) else "  grads MISSING"
-    fw, bw = f"{len(rec.fw)}/{len(rec.bw)}", f"{len(te_ops(rec.fw))}/{len(te_ops(rec.bw))}"
-    return f"{fw:>9}{bw:>9}{missing}"
+# ---- without a GPU: te_compile.check -----------------------------------------------------------
 
 
 def trace_report() -> None:
+    """te_compile.check on the same MLP, built as on a GPU under te_compile.simulate_gpu: each
+    recipe traced forward + backward with fullgraph=True, for the whole model and per te.Linear."""
     te_compile.patch()
-    print("No GPU: tracing on the CPU as if on the named GPU (TE's support answers pinned).")
-    print(f"Step: forward + MSE loss of {len(LAYERS)} x te.Linear({DIM}, {DIM}, bf16) with GELU,")
-    print(f"{TOKENS} tokens, torch.compile(fullgraph=True), te.autocast inside.\n")
-    layers = "".join(f"{n:>6}" for n in (*LAYERS, "other"))
-    print(f"{'':<47}{'te_compile ops':^24}  {'AOTAutograd':^18}")
-    print(
-        f"{'recipe':<22}{'as if on':<11}{'graphs':>7}{'breaks':>7}{layers}  {'graphs':>9}{'ops':>9}"
-    )
-    for name, (make, generation) in RECIPES.items():
-        row = f"{name:<22}{generation:<11}"
-        try:
-            graphs, breaks, gms = trace_forward(make(), generation)
-        except RuntimeError as e:
-            print(f"{row}raises: {reason(e)}")
-            continue
-        per_layer = "".join(f"{c:>6}" for c in ops_per_layer(gms))
-        try:
-            joint = trace_joint(make(), generation)
-        except RuntimeError as e:
-            joint = f"raises: {reason(e)}"
-        print(f"{row}{graphs:>7}{breaks:>7}{per_layer}  {joint}")
-    print(
-        "\ngraphs, breaks, te_compile ops per te.Linear: dynamo on fake CUDA tensors (forward).\n"
-        "AOTAutograd: forward + loss.backward() on meta tensors, fwd/bwd graphs and te_compile ops."
-    )
+    print("No GPU: te_compile.check traces the MLP as if on the named GPU (nothing runs).")
+    print(f"MLP: {len(LAYERS)} x te.Linear({DIM}, {DIM}, bf16) + GELU, {TOKENS} tokens.\n")
+    # MXFP8 on Hopper shows how an unsupported recipe is reported (TE's reason).
+    for arch, recipes in (
+        ("hopper", ["none", "current", "block", "delayed", "mxfp8"]),
+        ("blackwell", ["mxfp8", "nvfp4"]),
+    ):
+        with te_compile.simulate_gpu(arch):
+            model = MLP()
+            x = torch.randn(TOKENS, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        print(te_compile.check(model, x, arch=arch, recipes=recipes).table())
+        print()
 
 
 # ---- on a GPU: train compiled and eager --------------------------------------------------------
@@ -172,9 +116,9 @@ def train(recipe, compiled: bool, data):
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
-    model = MLP(device="cuda")
+    model = MLP()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    backend = testing.InductorRecorder()
+    backend = InductorRecorder()
     step = loss_fn(model, recipe)
     if compiled:
         step = torch.compile(step, backend=backend, fullgraph=True)

@@ -347,7 +347,8 @@ def _check_modules(model, inputs, recipe, label) -> list[CaseResult]:
         elif errors:
             first = next(iter(errors))
             status = "not reached"
-            reason = f"not run: {first} failed first"
+            culprit = "the model's own code" if first == "<model>" else first
+            reason = f"not run: {culprit} raised first"
         else:
             status, reason = "not reached", "never called"
         results.append(
