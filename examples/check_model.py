@@ -27,3 +27,24 @@ def build_unsupported():
     model, inputs = build()
     model[1].fc2 = te.Linear(1024, 256, params_dtype=torch.bfloat16, delay_wgrad_compute=True)
     return model.cuda(), inputs
+
+
+class NormBlock(torch.nn.Module):
+    """A transformer block's MLP half and a projection, from TE's norm family."""
+
+    def __init__(self, hidden: int = 256):
+        super().__init__()
+        self.qkv = te.LayerNormLinear(hidden, 3 * hidden, params_dtype=torch.bfloat16)
+        self.proj = te.Linear(3 * hidden, hidden, params_dtype=torch.bfloat16)
+        self.mlp = te.LayerNormMLP(hidden, 4 * hidden, params_dtype=torch.bfloat16)
+        self.norm = te.RMSNorm(hidden, params_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        x = x + self.proj(self.qkv(x))
+        return self.norm(x + self.mlp(x))
+
+
+def build_norm_family():
+    model = NormBlock().cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return model, (x,)

@@ -85,6 +85,12 @@ class CaseResult:
         return self.status == "ok"
 
 
+def _families(ops: tuple[str, ...]) -> str:
+    """ "linear_fwd, linear_bwd, norm_fwd" -> "linear, norm": the op families in the graphs."""
+    names = [op.removesuffix("_fwd").removesuffix("_bwd") for op in ops]
+    return ", ".join(dict.fromkeys(names)) or "-"
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckReport:
     arch: str
@@ -98,9 +104,16 @@ class CheckReport:
         return [r for r in self.results if not r.ok]
 
     def table(self, width: int = 100) -> str:
-        head = ("target", "module", "recipe", "status", "graphs (fwd+bwd)", "te_compile ops")
+        head = (
+            "target",
+            "module",
+            "recipe",
+            "status",
+            "graphs (fwd+bwd)",
+            "te_compile ops (_fwd/_bwd)",
+        )
         rows = [
-            (r.target, r.module_type, r.recipe, r.status, str(r.graphs), ", ".join(r.ops) or "-")
+            (r.target, r.module_type, r.recipe, r.status, str(r.graphs), _families(r.ops))
             for r in self.results
         ]
         widths = [max(len(str(c)) for c in col) for col in zip(head, *rows, strict=True)]

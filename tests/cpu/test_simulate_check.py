@@ -35,11 +35,20 @@ def test_user_script_traces_every_recipe():
     assert "linear_fwd, linear_bwd" in run.stdout
 
 
+def test_cli_check_norm_family():
+    run = _run("-m", "te_compile", "check", "examples/check_model.py:build_norm_family")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "20 of 20 cases passed" in run.stdout
+    for row in ("qkv     LayerNormLinear", "mlp     LayerNormMLP", "norm    RMSNorm"):
+        assert row in run.stdout, run.stdout
+    assert "layernorm_linear, linear, layernorm_mlp, norm" in run.stdout, run.stdout
+
+
 def test_cli_check_passes_and_prints_a_table():
     run = _run("-m", "te_compile", "check", "examples/check_model.py:build")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "20 of 20 cases passed" in run.stdout
-    assert "1.fc2   Linear      delayed  ok" in run.stdout, run.stdout
+    assert "1.fc2   Linear      delayed  ok      2                 linear" in run.stdout, run.stdout
 
 
 def test_cli_check_fails_on_an_unsupported_option():
