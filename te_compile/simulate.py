@@ -166,6 +166,23 @@ def _attributes(assignments):
                 setattr(owner, name, value)
 
 
+def _simulated_fused_attn_backend(**config):
+    """TE's cuDNN sub-backend query (tex.get_fused_attn_backend, a driver call) answered as
+    cuDNN 9 answers it on sm90/sm100 for the common cases: F16/BF16 with head dims that are
+    multiples of 8 up to 256 -> F16_arbitrary_seqlen (1); FP8 -> FP8 (2); else none (-1)."""
+    import transformer_engine_torch as tex
+
+    dtype = config["qkv_dtype"]
+    dims = (config["head_dim_qk"], config["head_dim_v"])
+    if dtype in (tex.DType.kFloat8E4M3, tex.DType.kFloat8E5M2):
+        return 2, ""
+    if dtype in (tex.DType.kFloat16, tex.DType.kBFloat16):
+        if all(d % 8 == 0 and d <= 256 for d in dims):
+            return 1, ""
+        return -1, f"simulated cuDNN: head dims {dims} not multiples of 8 up to 256"
+    return -1, f"simulated cuDNN: qkv dtype {dtype} not supported"
+
+
 _ACTIVE: list[SimulatedGPU] = []
 
 
@@ -220,6 +237,11 @@ def simulate_gpu(arch: str = "hopper"):
     manager = quantization.FP8GlobalStateManager
     update = vars(manager)["reduce_and_update_fp8_tensors"]
     assignments.append((manager, "reduce_and_update_fp8_tensors", _traced_only(update)))
+    # TE's cuDNN attention sub-backend query reaches the driver: answered by a rule.
+    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
+
+    answer = torch.compiler.assume_constant_result(_simulated_fused_attn_backend)
+    assignments.append((dpa_utils, "_get_fused_attn_backend", answer))
     caches = _te_device_caches()
     for cache in caches:
         cache.cache_clear()

@@ -7,6 +7,12 @@ from ..patching import Swap
 
 
 def swaps() -> list[Swap]:
-    from . import layernorm, layernorm_linear, layernorm_mlp, linear
+    from . import attention, layernorm, layernorm_linear, layernorm_mlp, linear
 
-    return linear.swaps() + layernorm.swaps() + layernorm_linear.swaps() + layernorm_mlp.swaps()
+    return (
+        linear.swaps()
+        + layernorm.swaps()
+        + layernorm_linear.swaps()
+        + layernorm_mlp.swaps()
+        + attention.swaps()
+    )

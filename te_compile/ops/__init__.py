@@ -6,6 +6,16 @@ Importing this package registers: te_compile::amax_and_scale_update (delayed_sca
 te_compile::linear_fwd, te_compile::linear_bwd and te_compile::quantize_weight (linear.py),
 te_compile::norm_fwd and te_compile::norm_bwd (norm.py), te_compile::layernorm_linear_fwd and
 te_compile::layernorm_linear_bwd (layernorm_linear.py), te_compile::layernorm_mlp_fwd and
-te_compile::layernorm_mlp_bwd (layernorm_mlp.py)."""
+te_compile::layernorm_mlp_bwd (layernorm_mlp.py), te_compile::fused_attn_fwd and
+te_compile::fused_attn_bwd (attention.py), te_compile::fused_rope_fwd and te_compile::fused_rope_bwd
+(rope.py)."""
 
-from . import delayed_scaling, layernorm_linear, layernorm_mlp, linear, norm  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    delayed_scaling,
+    layernorm_linear,
+    layernorm_mlp,
+    linear,
+    norm,
+    rope,
+)
