@@ -1,0 +1,183 @@
+"""Option sets for te.TransformerLayer / te.MultiheadAttention / te.DotProductAttention, shared
+by the CPU traces (tests/cpu/test_*attention*, test_transformer_layer_trace.py) and the GPU
+comparisons with eager TE (tests/gpu/test_attention_gpu.py, test_transformer_layer_gpu.py),
+and the te_compile::fused_attn_* / fused_rope_* op arguments for opcheck.
+
+Every tensor is made on device="cuda": under te_compile.simulate_gpu that is the meta device
+(CPU traces), on a GPU machine a real GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+HIDDEN, FFN, HEADS = 128, 256, 8
+HEAD_DIM = HIDDEN // HEADS
+SEQ, BATCH = 32, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    """One TransformerLayer option set: constructor kwargs on top of `BASE`, and what the
+    call passes (rotary embeddings, a padding mask, an encoder output)."""
+
+    layer: dict = dataclasses.field(default_factory=dict)
+    rope: bool = False
+    padding_mask: bool = False
+    encoder: bool = False
+    env: dict = dataclasses.field(default_factory=dict)  # NVTE_* switches for the case
+
+    @property
+    def fmt(self) -> str:
+        return self.layer.get("attn_input_format", "sbhd")
+
+
+BASE = dict(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16)
+
+LAYER_CASES = {
+    "default": LayerCase(),
+    "causal": LayerCase(dict(self_attn_mask_type="causal")),
+    "no_mask": LayerCase(dict(self_attn_mask_type="no_mask")),
+    "padding": LayerCase(dict(self_attn_mask_type="padding"), padding_mask=True),
+    "padding_causal": LayerCase(dict(self_attn_mask_type="padding_causal"), padding_mask=True),
+    "causal_bottom_right": LayerCase(dict(self_attn_mask_type="causal_bottom_right")),
+    "gqa": LayerCase(dict(num_gqa_groups=2, self_attn_mask_type="causal")),
+    "bshd": LayerCase(dict(attn_input_format="bshd", self_attn_mask_type="causal")),
+    "rope": LayerCase(dict(self_attn_mask_type="causal"), rope=True),
+    "rope_bshd_gqa": LayerCase(
+        dict(attn_input_format="bshd", num_gqa_groups=4, self_attn_mask_type="causal"), rope=True
+    ),
+    "fused_qkv": LayerCase(dict(fuse_qkv_params=True, self_attn_mask_type="causal")),
+    "not_interleaved": LayerCase(
+        dict(fuse_qkv_params=True, qkv_weight_interleaved=False, self_attn_mask_type="causal")
+    ),
+    "no_bias": LayerCase(dict(bias=False)),
+    "rmsnorm_swiglu": LayerCase(dict(normalization="RMSNorm", activation="swiglu")),
+    "dropout": LayerCase(dict(hidden_dropout=0.1, attention_dropout=0.1)),
+    # The Llama-style layer of TE's HF-Llama tutorial.
+    "llama": LayerCase(
+        dict(
+            normalization="RMSNorm",
+            activation="swiglu",
+            bias=False,
+            num_gqa_groups=2,
+            attn_input_format="bshd",
+            fuse_qkv_params=False,
+            self_attn_mask_type="causal",
+        ),
+        rope=True,
+    ),
+    "decoder": LayerCase(
+        dict(layer_type="decoder", fuse_qkv_params=True, self_attn_mask_type="causal"),
+        encoder=True,
+    ),
+    "unfused_backend": LayerCase(dict(self_attn_mask_type="causal"), env={"NVTE_FUSED_ATTN": "0"}),
+    "unfused_padding_rope": LayerCase(
+        dict(self_attn_mask_type="padding_causal"),
+        rope=True,
+        padding_mask=True,
+        env={"NVTE_FUSED_ATTN": "0"},
+    ),
+}
+
+
+def make_layer(case: LayerCase, **extra):
+    import transformer_engine.pytorch as te
+
+    kwargs = {**BASE, **case.layer, **extra}
+    return te.TransformerLayer(HIDDEN, FFN, HEADS, device="cuda", **kwargs)
+
+
+def padding_mask(seq: int = SEQ, batch: int = BATCH, pad: int = 5) -> torch.Tensor:
+    """[b, 1, 1, s] bool, True = masked: the last `pad` tokens of sequence 0 are padding."""
+    mask = torch.zeros(batch, 1, 1, seq, dtype=torch.bool, device="cuda")
+    mask[0, ..., seq - pad :] = True
+    return mask
+
+
+def layer_input(case: LayerCase, *, requires_grad=True, seed=0) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (SEQ, BATCH, HIDDEN) if case.fmt == "sbhd" else (BATCH, SEQ, HIDDEN)
+    x = torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    return x.requires_grad_(requires_grad)
+
+
+def call_kwargs(case: LayerCase, *, seed=1) -> dict:
+    """The layer call's keyword arguments for `case` (tensors on "cuda")."""
+    import transformer_engine.pytorch as te
+
+    kwargs = {}
+    if case.rope:
+        kwargs["rotary_pos_emb"] = te.attention.RotaryPositionEmbedding(HEAD_DIM)(
+            max_seq_len=SEQ
+        ).to("cuda")
+    if case.padding_mask:
+        kwargs["attention_mask"] = padding_mask()
+    if case.encoder:
+        g = torch.Generator(device="cpu").manual_seed(seed)
+        shape = (SEQ, BATCH, HIDDEN) if case.fmt == "sbhd" else (BATCH, SEQ, HIDDEN)
+        enc = torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.bfloat16)
+        kwargs["encoder_output"] = enc
+    return kwargs
+
+
+# ---- op arguments (opcheck) ----------------------------------------------------------------------
+
+
+# qkv_layout -> shapes of the `qkv` tensors for [s, b] = [SEQ, BATCH] (h heads of d, g kv heads)
+def qkv_tensors(layout: str, *, heads=4, groups=4, d=16, s=SEQ, b=BATCH, grad=True):
+    fmt = layout.split("_")[0].replace("3", "").replace("2", "")
+    lead = (s, b) if fmt == "sbhd" else (b, s)
+
+    def t(*shape):
+        x = torch.randn(*lead, *shape, device="cuda", dtype=torch.bfloat16)
+        return x.requires_grad_(grad)
+
+    parts = layout.split("_")
+    if len(parts) == 3:
+        return [t(heads, d), t(groups, d), t(groups, d)]
+    if len(parts) == 2:
+        kv = t(2, groups, d) if "2h" in parts[1] else t(groups, 2, d)
+        return [t(heads, d), kv]
+    return [t(3, heads, d) if "3h" in layout else t(heads, 3, d)]
+
+
+def fused_attn_fwd_args(layout="sbhd_sbhd_sbhd", mask="causal", dropout=0.0, padded=False):
+    qkv = qkv_tensors(layout, groups=2 if layout.count("_") == 2 else 4)
+    cu = torch.arange(0, (BATCH + 1) * SEQ, SEQ, dtype=torch.int32, device="cuda")
+    window = [-1, 0] if "causal" in mask else [-1, -1]
+    return (
+        qkv,
+        cu,
+        cu,
+        cu if padded else None,
+        cu if padded else None,
+        layout,
+        mask,
+        window,
+        False,
+        SEQ,
+        SEQ,
+        0.25,
+        dropout,
+        True,
+        True,
+        False,
+        1,
+    )
+
+
+def fused_attn_bwd_args(fwd_args):
+    qkv = [t.detach() for t in fwd_args[0]]
+    out, stats, rng = torch.ops.te_compile.fused_attn_fwd(qkv, *fwd_args[1:])
+    d_out = torch.randn_like(out)
+    return (qkv, out, d_out, stats, rng, *fwd_args[1:])
+
+
+def rope_args(fmt="sbhd", interleaved=False, grad=True):
+    lead = (SEQ, BATCH) if fmt == "sbhd" else (BATCH, SEQ)
+    t = torch.randn(*lead, 4, 16, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
+    freqs = torch.randn(SEQ, 1, 1, 16, device="cuda", dtype=torch.float32)
+    return (t, freqs, None, None, fmt, interleaved, 1, 0)
