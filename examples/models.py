@@ -30,7 +30,7 @@ import transformer_engine.pytorch as te
 
 @dataclasses.dataclass(frozen=True)
 class GPTConfig:
-    vocab_size: int = 1024
+    vocab_size: int = 256  # small: the synthetic bigram chain is learnt within 50 steps
     hidden_size: int = 256
     num_layers: int = 2
     num_heads: int = 4
@@ -46,12 +46,12 @@ class GPTConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    vocab_size: int = 1024
+    vocab_size: int = 256
     hidden_size: int = 256
     num_layers: int = 2
-    num_heads: int = 8
+    num_heads: int = 4  # head_dim 64
     num_kv_heads: int = 2  # GQA groups
-    intermediate_size: int = 704  # swiglu width; FP8 GEMMs want multiples of 16
+    intermediate_size: int = 768  # swiglu width: a multiple of 128 (FP8 block scaling's tile)
     max_seq_len: int = 128
     rms_norm_eps: float = 1e-5
     rope_base: float = 10000.0

@@ -24,7 +24,11 @@ import te_compile
 from te_compile_testing import JointRecorder
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
+pytestmark = [
+    pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing"),
+    # the loss's backward on meta tensors (AOTAutograd's trace): torch warns, nothing runs
+    pytest.mark.filterwarnings("ignore:aten::nll_loss.*autograd kernel:UserWarning"),
+]
 
 
 def _load_models():
@@ -63,20 +67,6 @@ CASES = [
     ("gpt-dropout", "delayed"),
 ]
 GEMM_OPS = ("linear_fwd", "layernorm_linear_fwd", "layernorm_mlp_fwd")
-
-
-def attention_landed() -> bool:
-    """True once te_compile has an attention op family (the attn helper's work)."""
-    import te_compile.ops as ops
-
-    return any("attention" in p.name for p in Path(ops.__file__).parent.glob("*.py"))
-
-
-xfail_until_attention = pytest.mark.xfail(
-    not attention_landed(),
-    reason="te.TransformerLayer's attention has no compile path yet (ops/attention.py)",
-    strict=False,
-)
 
 
 def te_nodes(graphs):
@@ -119,7 +109,6 @@ def trace_training(model_name: str, recipe_name: str, steps: int = 2) -> JointRe
     return recorder
 
 
-@xfail_until_attention
 @pytest.mark.parametrize("model_name,recipe_name", CASES)
 def test_training_step_traces_fullgraph(model_name, recipe_name, patched):
     rec = trace_training(model_name, recipe_name)
@@ -137,7 +126,6 @@ def test_training_step_traces_fullgraph(model_name, recipe_name, patched):
         assert quant_kinds(node) == {f"kind={recipe_name}"}, f"{node}: {quant_kinds(node)}"
 
 
-@xfail_until_attention
 @pytest.mark.parametrize("factory", ["build_gpt", "build_gpt_rotary_untied", "build_llama"])
 def test_cli_check_passes_on_the_example_models(factory):
     """`python -m te_compile check examples/models.py:FACTORY`, as a user runs it: every case of
@@ -164,7 +152,7 @@ def test_models_build_under_simulation():
     layer = llama.layers[0]
     assert isinstance(layer, te.TransformerLayer)
     assert isinstance(llama.final_norm, te.RMSNorm) and isinstance(llama.lm_head, te.Linear)
-    assert llama.rope.shape == (SEQ, 1, 1, 256 // 8) and llama.rope.dtype == torch.float32
+    assert llama.rope.shape == (SEQ, 1, 1, 256 // 4) and llama.rope.dtype == torch.float32
     names = {n for n, _ in layer.named_parameters()}
     assert not any("bias" in n for n in names), "Llama layers have no bias"
     assert any("query_weight" in n for n in names), f"fuse_qkv_params=False: {sorted(names)}"
