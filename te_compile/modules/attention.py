@@ -213,6 +213,14 @@ def _cu_seqlens(m, call: dict, mask_type: str, batch: int, seqlen: int, which: i
     return torch.arange(0, (batch + 1) * seqlen, step=seqlen, dtype=torch.int32, device=device)
 
 
+def _padded(given, cu_seqlens, batch: int, mask_type: str):
+    """FusedAttention's padded cu_seqlens: the given ones, else for padding masks the plain
+    ones (no padding between sequences), else none."""
+    if given is not None:
+        return given
+    return cu_seqlens[: batch + 1] if "padding" in mask_type else None
+
+
 def compiled_dpa_forward(m, call: dict):
     """The traceable DotProductAttention.forward; `call` maps TE's parameter names to the
     arguments of this call."""
@@ -275,9 +283,8 @@ def compiled_dpa_forward(m, call: dict):
             tensors,
             cu_q[: batch + 1],
             cu_kv[: batch + 1],
-            # FusedAttention pads nothing between sequences: padded == plain for padding masks.
-            cu_q[: batch + 1] if "padding" in mask_type else None,
-            cu_kv[: batch + 1] if "padding" in mask_type else None,
+            _padded(call["cu_seqlens_q_padded"], cu_q, batch, mask_type),
+            _padded(call["cu_seqlens_kv_padded"], cu_kv, batch, mask_type),
             layout,
             mask_type,
             list(window),

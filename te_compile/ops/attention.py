@@ -112,28 +112,28 @@ def _fwd_kernel(
         v,
         q.dtype,
         fa.FusedAttnBackend.cast(backend),
-        None,  # attn_bias
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        None,  # page_table_k
-        None,  # page_table_v
-        None,  # s_quantizer
-        None,  # o_quantizer
-        attn_scale,
-        dropout,
-        fast_zero_fill,
-        qkv_layout,
-        o_format,
-        None,  # qkv_scale_inv_format
-        "no_bias",
-        attn_mask_type,
-        "vanilla",
-        tuple(window_size),
-        bottom_right_diagonal,
-        None,  # rng_gen: the default CUDA generator, as eager TE
-        None,  # softmax_offset
-        False,  # return_max_logit
-        False,  # cuda_graph: TE's own graph-capture flag, False in eager TE outside its graphs
+        attn_bias=None,
+        cu_seqlens_q_padded=cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+        page_table_k=None,
+        page_table_v=None,
+        s_quantizer=None,
+        o_quantizer=None,
+        attn_scale=attn_scale,
+        dropout=dropout,
+        fast_zero_fill=fast_zero_fill,
+        qkv_layout=qkv_layout,
+        o_format=o_format,
+        qkv_scale_inv_format=None,
+        attn_bias_type="no_bias",
+        attn_mask_type=attn_mask_type,
+        softmax_type="vanilla",
+        window_size=tuple(window_size),
+        bottom_right_diagonal=bottom_right_diagonal,
+        rng_gen=None,  # the default CUDA generator, as eager TE
+        softmax_offset=None,
+        return_max_logit=False,
+        cuda_graph=False,  # TE's own graph-capture flag, False in eager TE outside its graphs
     )
     stats, rng_state = aux[0], aux[1]
     return out, stats, rng_state
@@ -205,27 +205,27 @@ def _bwd_kernel(
         q.dtype,
         [softmax_stats.contiguous(), rng_state],
         fa.FusedAttnBackend.cast(backend),
-        cu_seqlens_q_padded,
-        cu_seqlens_kv_padded,
-        None,  # s_quantizer
-        None,  # dp_quantizer
-        None,  # dqkv_quantizer
-        attn_scale,
-        dropout,
-        fast_zero_fill,
-        qkv_layout,
-        o_format,
-        o_format,  # do_format
-        qkv_layout,  # dqkv_layout
-        None,
-        None,
-        "no_bias",
-        attn_mask_type,
-        "vanilla",
-        tuple(window_size),
-        bottom_right_diagonal,
-        deterministic,
-        False,  # cuda_graph
+        cu_seqlens_q_padded=cu_seqlens_q_padded,
+        cu_seqlens_kv_padded=cu_seqlens_kv_padded,
+        s_quantizer=None,
+        dp_quantizer=None,
+        dqkv_quantizer=None,
+        attn_scale=attn_scale,
+        dropout=dropout,
+        fast_zero_fill=fast_zero_fill,
+        qkv_layout=qkv_layout,
+        o_format=o_format,
+        do_format=o_format,
+        dqkv_layout=qkv_layout,
+        qkv_scale_inv_format=None,
+        do_scale_inv_format=None,
+        attn_bias_type="no_bias",
+        attn_mask_type=attn_mask_type,
+        softmax_type="vanilla",
+        window_size=tuple(window_size),
+        bottom_right_diagonal=bottom_right_diagonal,
+        deterministic=deterministic,
+        cuda_graph=False,
     )
     return _join_grads(dq, dk, dv, qkv_layout)
 
