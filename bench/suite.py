@@ -1,11 +1,13 @@
 """The benchmark suite: every stack x recipe x mode x shape, as tables, JSON and PNG plots.
 
-    python bench/suite.py [--quick] [--shapes 1024x1024x4,4096x8192x1]
+    python bench/suite.py [--quick] [--shapes 1024x1024x4,4096x8192x1,1024x512x4x1]
         [--stacks te,torch,torchao-tensorwise,torchao-rowwise] [--recipes bf16,current,block,delayed]
         [--modes eager,compile,reduce-overhead] [--json PATH] [--plots DIR]
 
-A shape is HIDDEN x TOKENS x LAYERS of a stack from bench/stacks.py, whose BUILDERS is the only
-registry: a new module family is a new builder there, nothing here. A stack named "te" or "te-*"
+A shape is HIDDEN x TOKENS x LAYERS of a stack from bench/stacks.py (input [TOKENS, HIDDEN]), or
+HIDDEN x SEQ x LAYERS x BATCH (input [SEQ, BATCH, HIDDEN], for the transformer stacks; the MLP
+stacks take it too). bench/stacks.py's BUILDERS is the only registry: a new module family is a
+new builder there, nothing here; PEERS names which stacks a TE stack's ratios compare against. A stack named "te" or "te-*"
 runs once per TE recipe, te.autocast inside the step; any other stack runs once, in its own
 numerics. A training step: zero grads, forward, backward with a fixed random gradient.
 
@@ -43,7 +45,26 @@ MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
+# TE stacks compared against peers built on the same block (their ms / ours in the ratios).
+PEERS = {
+    "te": ("torch", "torchao-tensorwise", "torchao-rowwise"),
+    "te-transformer": ("torch-transformer", "torchao-transformer"),
+}
+SHAPE_RE = r"\d+x\d+x\d+(x\d+)?"
 MIB = 1024 * 1024
+
+
+def parse_shape(shape: str) -> tuple[int, int, int, int | None]:
+    """ "HxTxL" -> (H, T, L, None); "HxSxLxB" -> (H, S, L, B)."""
+    hidden, tokens, layers, *batch = (int(v) for v in shape.split("x"))
+    return hidden, tokens, layers, batch[0] if batch else None
+
+
+def shape_title(shape: str) -> str:
+    hidden, tokens, layers, batch = parse_shape(shape)
+    if batch is None:
+        return f"H={hidden}, T={tokens}, layers={layers}"
+    return f"H={hidden}, S={tokens}, B={batch}, layers={layers}"
 
 
 def uses_te_recipes(stack: str) -> bool:
@@ -150,7 +171,8 @@ def measure(step, model, x, warmup: int, steps: int) -> dict:
 
 def run_cell(stack, te_recipe, mode, shape: str, warmup: int, steps: int) -> dict:
     cell = {"shape": shape, "stack": stack, "recipe": te_recipe, "mode": mode, "status": "ok"}
-    hidden, tokens, layers = (int(v) for v in shape.split("x"))
+    hidden, tokens, layers, batch = parse_shape(shape)
+    dims = (tokens, hidden) if batch is None else (tokens, batch, hidden)
     try:
         recipe, unsupported = make_recipe(te_recipe) if te_recipe else (None, None)
         if unsupported:
@@ -158,8 +180,8 @@ def run_cell(stack, te_recipe, mode, shape: str, warmup: int, steps: int) -> dic
         reset_state()
         torch.manual_seed(0)
         model = build(stack, hidden, layers)
-        x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(*dims, device="cuda", dtype=torch.bfloat16)
         step = make_train_step(model, te_recipe, recipe, mode, x, grad)
         cell.update(measure(step, model, x, warmup, steps))
         if mode == "eager":
@@ -230,6 +252,11 @@ def best(times) -> float | None:
     return min((t for t in times if t), default=None)
 
 
+def vs_eager(stack: str, mode: str) -> str:
+    prefix = "" if stack == REFERENCE else f"{stack}: "
+    return f"{prefix}{mode} vs eager {stack}"
+
+
 def compute_ratios(results: dict) -> list[dict]:
     """Speed-ups per shape and recipe: each TE stack's compiled modes against its own eager
     run, and the reference stack against the peers (their ms / our ms; >1: we win)."""
@@ -241,14 +268,13 @@ def compute_ratios(results: dict) -> list[dict]:
         for stack, recipe in [(s, r) for s, r in rows if uses_te_recipes(s)]:
             ours = {m: ms_of(cells, shape, stack, recipe, m) for m in results["modes"]}
             prefix = "" if stack == REFERENCE else f"{stack}: "
-            pairs = [
-                (f"{prefix}{m} vs eager {stack}", ours.get("eager"), ours[m]) for m in compiled
-            ]
-            for other in others if stack == REFERENCE else ():
+            pairs = [(vs_eager(stack, m), ours.get("eager"), ours[m]) for m in compiled]
+            for other in [o for o in PEERS.get(stack, ()) if o in others]:
                 theirs = {m: ms_of(cells, shape, other, None, m) for m in compiled}
-                pairs += [(f"vs {other}, {m}", theirs[m], ours[m]) for m in compiled]
+                pairs += [(f"{prefix}vs {other}, {m}", theirs[m], ours[m]) for m in compiled]
                 best_ours = best(ours[m] for m in compiled)
-                pairs.append((f"vs {other}, best compiled mode", best(theirs.values()), best_ours))
+                best_theirs = best(theirs.values())
+                pairs.append((f"{prefix}vs {other}, best compiled mode", best_theirs, best_ours))
             out += [
                 {"shape": shape, "recipe": recipe, "comparison": name, "speedup": theirs / mine}
                 for name, theirs, mine in pairs
@@ -275,8 +301,7 @@ def print_tables(results: dict) -> None:
     print(f"\n{meta['device']}, torch {meta['torch']}, TE {meta['transformer_engine']}, ", end="")
     print(f"torchao {meta['torchao']}, median of {results['steps']} steps")
     for shape in results["shapes"]:
-        hidden, tokens, layers = shape.split("x")
-        print(f"\n### H={hidden}, T={tokens}, layers={layers}: ms/step, CPU ms to issue, MiB\n")
+        print(f"\n### {shape_title(shape)}: ms/step, CPU ms to issue, MiB\n")
         timing, first_call, errors, skips = [], [], [], []
         for stack, recipe in rows_of(results, shape):
             label = row_label(stack, recipe)
@@ -342,7 +367,7 @@ def plot(results: dict, folder: str) -> list[str]:
         series = {m: [ms_of(cells, shape, s, r, m) or 0.0 for s, r in rows] for m in modes}
         grouped_bars(ax, [row_label(s, r) for s, r in rows], series, 0.8 / len(modes))
         ax.set_ylabel("ms per training step (lower is better)")
-        ax.set_title(f"{shape} (hidden x tokens x layers), {results['meta']['device']}")
+        ax.set_title(f"{shape_title(shape)}, {results['meta']['device']}")
         written.append(os.path.join(folder, f"step-ms-{shape}.png"))
         fig.tight_layout()
         fig.savefig(written[-1], dpi=120)
@@ -350,16 +375,15 @@ def plot(results: dict, folder: str) -> list[str]:
     shapes, compiled = results["shapes"], [m for m in COMPILED if m in modes]
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes, strict=True):  # a panel per shape
-        recipes = [r for s, r in rows_of(results, shape) if s == REFERENCE]
+        te_stacks = [s for s, _ in rows_of(results, shape) if uses_te_recipes(s)]
+        ref = REFERENCE if REFERENCE in te_stacks or not te_stacks else te_stacks[0]
+        recipes = [r for s, r in rows_of(results, shape) if s == ref]
         mine = [r for r in results["ratios"] if r["shape"] == shape]
         ratio = {(r["comparison"], r["recipe"]): r["speedup"] for r in mine}
-        series = {
-            m: [ratio.get((f"{m} vs eager {REFERENCE}", rcp), 0.0) for rcp in recipes]
-            for m in compiled
-        }
+        series = {m: [ratio.get((vs_eager(ref, m), rcp), 0.0) for rcp in recipes] for m in compiled}
         grouped_bars(ax, recipes, series, 0.8 / max(1, len(compiled)))
         ax.axhline(1.0, color="gray", linewidth=1)
-        ax.set_title(f"{shape}: speed-up vs eager {REFERENCE} (>1 is faster)")
+        ax.set_title(f"{shape}: speed-up vs eager {ref} (>1 is faster)")
     written.append(os.path.join(folder, "speedup-vs-eager.png"))
     fig.tight_layout()
     fig.savefig(written[-1], dpi=120)
@@ -383,14 +407,20 @@ def report(results: dict, json_path: str, plots_dir: str) -> None:
 
 def selftest() -> None:
     """Tables, ratios, JSON and plots on fabricated cells, in a folder removed afterwards."""
-    shapes, rows = ["1024x1024x4", "4096x8192x1"], [("te", r) for r in TE_RECIPES]
-    rows += [("te-lnmlp", r) for r in TE_RECIPES]
-    rows += [("torch", None), ("torchao-tensorwise", None)]
+    mlp_rows = [("te", r) for r in TE_RECIPES] + [("te-lnmlp", r) for r in TE_RECIPES]
+    mlp_rows += [("torch", None), ("torchao-tensorwise", None)]
+    block_rows = [("te-transformer", r) for r in TE_RECIPES]
+    block_rows += [("torch-transformer", None), ("torchao-transformer", None)]
+    rows_per_shape = {"1024x1024x4": mlp_rows, "4096x8192x1": mlp_rows, "1024x512x4x1": block_rows}
+    shapes = list(rows_per_shape)
     results = {"meta": versions(), "steps": 5, "shapes": shapes, "modes": list(MODES)}
     results["skipped_stacks"] = {"torchao-rowwise": "torchao not installed: (fabricated)"}
     results["cells"] = []
     for n, (shape, (stack, recipe), mode) in enumerate(
-        (shape, row, mode) for shape in shapes for row in rows for mode in MODES
+        (shape, row, mode)
+        for shape, rows in rows_per_shape.items()
+        for row in rows
+        for mode in MODES
     ):
         cell = {"shape": shape, "stack": stack, "recipe": recipe, "mode": mode, "status": "ok"}
         cell.update(compile_s=1.0 + n % 7, step_ms=0.5 + n % 5 / 4, issue_ms=0.3, peak_mib=900.0)
@@ -403,14 +433,21 @@ def selftest() -> None:
     with tempfile.TemporaryDirectory() as folder:
         report(results, os.path.join(folder, "bench.json"), folder)
         with open(os.path.join(folder, "bench.json")) as f:
-            assert json.load(f)["ratios"], "no ratios computed"
+            ratios = json.load(f)["ratios"]
+        assert ratios, "no ratios computed"
+        block = {r["comparison"] for r in ratios if r["shape"] == "1024x512x4x1"}
+        want = "te-transformer: vs torch-transformer, reduce-overhead"
+        assert want in block and not any("vs torch," in c for c in block), sorted(block)
+        assert parse_shape("1024x512x4x2") == (1024, 512, 4, 2)
+        assert parse_shape("1024x1024x4") == (1024, 1024, 4, None)
         print(f"selftest ok: {sorted(os.listdir(folder))}")
 
 
 def parse_args() -> argparse.Namespace:
     out = os.environ.get("OUT")
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shapes", default="1024x1024x4,4096x8192x1", help="HIDDENxTOKENSxLAYERS,...")
+    shapes_help = "HIDDENxTOKENSxLAYERS or HIDDENxSEQxLAYERSxBATCH, comma-separated"
+    p.add_argument("--shapes", default="1024x1024x4,4096x8192x1", help=shapes_help)
     stacks_help = f"from bench/stacks.py: {', '.join(BUILDERS)}"
     p.add_argument(
         "--stacks", default="te,torch,torchao-tensorwise,torchao-rowwise", help=stacks_help
@@ -428,8 +465,8 @@ def parse_args() -> argparse.Namespace:
     args.warmup = (2 if args.quick else 5) if args.warmup is None else args.warmup
     args.steps = (5 if args.quick else 30) if args.steps is None else args.steps
     args.plots = args.plots or os.path.dirname(os.path.abspath(args.json))
-    if not all(re.fullmatch(r"\d+x\d+x\d+", s) for s in args.shapes.split(",")):
-        p.error(f"--shapes: want HIDDENxTOKENSxLAYERS,... (got {args.shapes})")
+    if not all(re.fullmatch(SHAPE_RE, s) for s in args.shapes.split(",")):
+        p.error(f"--shapes: want HIDDENxTOKENSxLAYERS[xBATCH],... (got {args.shapes})")
     for name, allowed in (("modes", MODES), ("recipes", TE_RECIPES)):
         unknown = set(getattr(args, name).split(",")) - set(allowed)
         if unknown:
