@@ -396,6 +396,30 @@ def make_mha_forward(original):
     return forward
 
 
+def make_update_roles(original):
+    """MultiheadAttention._update_output_quantizer_roles: with no FP8 boundary (what the
+    compiled path allows, FP8 attention refused) every role is None; setting them without
+    reading the submodules' names keeps the traced code free of per-layer guards (each
+    layer's names differ: one recompile per block under regional compilation)."""
+
+    def _update_output_quantizer_roles(self, qkv_fp8_output, proj_fp8_grad, dpa_fp8_output):
+        if not torch.compiler.is_compiling() or qkv_fp8_output or proj_fp8_grad or dpa_fp8_output:
+            return original(self, qkv_fp8_output, proj_fp8_grad, dpa_fp8_output)
+        if self.attention_type == "self":
+            qkv_linears = [self.layernorm_qkv if self.input_layernorm else self.qkv]
+        else:
+            query = self.layernorm_query if self.input_layernorm else self.query_layer
+            qkv_linears = [query, self.key_value]
+        for linear in qkv_linears:
+            linear.output_quantizer_role = None
+        self.proj.grad_input_quantizer_role = None
+        self.core_attention.output_quantizer_role = None
+        self.core_attention.grad_input_quantizer_role = None
+
+    _update_output_quantizer_roles.__doc__ = original.__doc__
+    return _update_output_quantizer_roles
+
+
 # ---- pieces of MultiheadAttention's forward ----------------------------------------------------
 
 
@@ -473,6 +497,11 @@ def swaps() -> list[Swap]:
             DotProductAttention, "forward", make_dpa_forward(vars(DotProductAttention)["forward"])
         ),
         Swap(mha, "forward", make_mha_forward(vars(mha)["forward"])),
+        Swap(
+            mha,
+            "_update_output_quantizer_roles",
+            make_update_roles(vars(mha)["_update_output_quantizer_roles"]),
+        ),
         Swap(utils, "SplitAlongDim", make_split_along_dim(utils.SplitAlongDim)),
         Swap(rope, "apply_rotary_pos_emb", make_apply_rotary_pos_emb(rope.apply_rotary_pos_emb)),
     ]

@@ -143,3 +143,25 @@ def test_negative_control_without_patch(graph_breaks):
         kwargs = cases.call_kwargs(case)
         with pytest.raises(Exception):  # noqa: B017 (whatever TE raises first)
             torch.compile(layer, backend="eager", fullgraph=True)(cases.layer_input(case), **kwargs)
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "delayed"])
+def test_regional_compilation_one_graph_for_all_layers(recipe_name, patched, graph_breaks):
+    """torch.compile per layer (as torchtitan does): identical layers share one graph over two
+    steps: nothing in the compiled path specialises on a layer's identity, number or name."""
+    case = cases.LAYER_CASES["llama"]
+    recipe = RECIPES[recipe_name]()
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"):
+        layers = [cases.make_layer(case, layer_number=i + 1) for i in range(4)]
+        for layer in layers:
+            layer.compile(backend=rec.backend, fullgraph=True)
+        kwargs = cases.call_kwargs(case)
+        for _ in range(2):
+            h = x = cases.layer_input(case)
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                for layer in layers:
+                    h = layer(h, **kwargs)
+            h.float().sum().backward()
+    assert graph_breaks() == 0 and x.grad is not None
+    assert len(rec.fw) == 1 and len(rec.bw) == 1
