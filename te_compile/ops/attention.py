@@ -156,11 +156,17 @@ _CU_SCHEMA = (
     "Tensor cu_seqlens_q, Tensor cu_seqlens_kv, Tensor? cu_seqlens_q_padded, "
     "Tensor? cu_seqlens_kv_padded"
 )
-FUSED_ATTN_FWD = registry.define(
+# Tagged nondeterministic_seeded: it draws from the CUDA generator, so compilers must neither
+# merge two calls (CSE), drop one whose output is unused, nor recompute it in backward; with
+# inductor's fallback_random it keeps its program order among the other random ops.
+_SEEDED = torch.library.Library(registry.NAMESPACE, "FRAGMENT")
+_SEEDED.define(
     f"fused_attn_fwd(Tensor[] qkv, {_CU_SCHEMA}, {_CONFIG_SCHEMA}) -> (Tensor, Tensor, Tensor)",
-    _fwd_kernel,
-    _fwd_fake,
+    tags=(torch.Tag.nondeterministic_seeded,),
 )
+_SEEDED.impl("fused_attn_fwd", _fwd_kernel, "CUDA")
+torch.library.register_fake(f"{registry.NAMESPACE}::fused_attn_fwd", _fwd_fake, lib=_SEEDED)
+FUSED_ATTN_FWD = torch.ops.te_compile.fused_attn_fwd
 
 
 # ---- backward ------------------------------------------------------------------------------------
@@ -270,4 +276,6 @@ def _backward(ctx, d_out, _d_stats, _d_rng):
     return (list(grads), None, None, None, None) + (None,) * len(ctx.config)
 
 
-registry.register_autograd(FUSED_ATTN_FWD, _backward, _setup_context)
+torch.library.register_autograd(
+    FUSED_ATTN_FWD.default, _backward, setup_context=_setup_context, lib=_SEEDED
+)

@@ -337,3 +337,12 @@ def test_fused_attn_fake_shapes(layout, fake_cuda):
     assert rng.shape == (2,) and rng.dtype == torch.int64
     grads = torch.ops.te_compile.fused_attn_bwd(*cases.fused_attn_bwd_args(args))
     assert [g.shape for g in grads] == [x.shape for x in args[0]]
+
+
+def test_attention_op_is_a_random_op():
+    """The forward op draws from the CUDA generator: tagged so that compilers neither merge,
+    drop nor recompute it, and keep its order among random ops under fallback_random."""
+    import te_compile.ops  # noqa: F401
+
+    assert torch.Tag.nondeterministic_seeded in torch.ops.te_compile.fused_attn_fwd.default.tags
+    assert torch.Tag.nondeterministic_seeded not in torch.ops.te_compile.fused_attn_bwd.default.tags
