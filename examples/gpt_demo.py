@@ -163,8 +163,8 @@ def gpu_report(steps: int, folder: str) -> None:
             f"{loss_e[-1].item():>12.4f}{diff:>12.3g}{ms_c:>13.2f}{ms_e:>10.2f}{first_s:>12.1f}"
         )
     print(
-        f"\nloss: step {steps}'s; max |diff|: compiled vs eager over all steps (inductor fuses the\n"
-        "embedding, residual adds and the loss, so last-bit differences appear and grow).\n"
+        f"\nloss: the last step's; max |diff|: compiled vs eager over all {steps} steps (inductor fuses\n"
+        "the embedding, residual adds and the loss, so last-bit differences appear and grow).\n"
         f"ms: median step (forward, backward, AdamW) of steps 2-{steps}; 1st step s: compile."
     )
     if curves:
