@@ -28,13 +28,20 @@ class LayerCase:
     padding_mask: bool = False
     encoder: bool = False
     env: dict = dataclasses.field(default_factory=dict)  # NVTE_* switches for the case
+    dtype: torch.dtype = torch.bfloat16
 
     @property
     def fmt(self) -> str:
         return self.layer.get("attn_input_format", "sbhd")
 
+    @property
+    def fused_attention(self) -> bool:
+        """Whether TE picks cuDNN fused attention (else UnfusedDotProductAttention): cuDNN
+        attention is F16/BF16 only, and NVTE_FUSED_ATTN=0 switches it off."""
+        return self.env.get("NVTE_FUSED_ATTN") != "0" and self.dtype != torch.float32
 
-BASE = dict(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16)
+
+BASE = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
 LAYER_CASES = {
     "default": LayerCase(),
@@ -73,6 +80,19 @@ LAYER_CASES = {
         dict(layer_type="decoder", fuse_qkv_params=True, self_attn_mask_type="causal"),
         encoder=True,
     ),
+    "qk_norm_rope": LayerCase(dict(qk_norm_type="RMSNorm"), rope=True),
+    "sliding_window": LayerCase(dict(self_attn_mask_type="causal", window_size=(8, 0))),
+    "rope_interleaved": LayerCase(dict(rotary_pos_interleaved=True), rope=True),
+    "zero_centered_gamma": LayerCase(dict(zero_centered_gamma=True)),
+    "parallel_attention_mlp": LayerCase(dict(parallel_attention_mlp=True)),
+    "post_layernorm_residual": LayerCase(dict(apply_residual_connection_post_layernorm=True)),
+    "drop_path": LayerCase(dict(drop_path_rate=0.1)),
+    "kv_channels": LayerCase(dict(kv_channels=32)),
+    "bshd_padding": LayerCase(
+        dict(attn_input_format="bshd", self_attn_mask_type="padding"), padding_mask=True
+    ),
+    "fp16": LayerCase(dtype=torch.float16),
+    "fp32_unfused": LayerCase(dict(self_attn_mask_type="causal"), dtype=torch.float32),
     "unfused_backend": LayerCase(dict(self_attn_mask_type="causal"), env={"NVTE_FUSED_ATTN": "0"}),
     "unfused_padding_rope": LayerCase(
         dict(self_attn_mask_type="padding_causal"),
@@ -86,7 +106,7 @@ LAYER_CASES = {
 def make_layer(case: LayerCase, **extra):
     import transformer_engine.pytorch as te
 
-    kwargs = {**BASE, **case.layer, **extra}
+    kwargs = {**BASE, "params_dtype": case.dtype, **case.layer, **extra}
     return te.TransformerLayer(HIDDEN, FFN, HEADS, device="cuda", **kwargs)
 
 
@@ -100,7 +120,7 @@ def padding_mask(seq: int = SEQ, batch: int = BATCH, pad: int = 5) -> torch.Tens
 def layer_input(case: LayerCase, *, requires_grad=True, seed=0) -> torch.Tensor:
     g = torch.Generator(device="cpu").manual_seed(seed)
     shape = (SEQ, BATCH, HIDDEN) if case.fmt == "sbhd" else (BATCH, SEQ, HIDDEN)
-    x = torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(*shape, generator=g).to(device="cuda", dtype=case.dtype)
     return x.requires_grad_(requires_grad)
 
 
@@ -118,7 +138,7 @@ def call_kwargs(case: LayerCase, *, seed=1) -> dict:
     if case.encoder:
         g = torch.Generator(device="cpu").manual_seed(seed)
         shape = (SEQ, BATCH, HIDDEN) if case.fmt == "sbhd" else (BATCH, SEQ, HIDDEN)
-        enc = torch.randn(*shape, generator=g).to(device="cuda", dtype=torch.bfloat16)
+        enc = torch.randn(*shape, generator=g).to(device="cuda", dtype=case.dtype)
         kwargs["encoder_output"] = enc
     return kwargs
 

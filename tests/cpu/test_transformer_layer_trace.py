@@ -80,7 +80,7 @@ def check_layer_graphs(rec, case_name, recipe_name, graph_breaks):
     assert graph_breaks() == 0
     assert len(rec.fw) == 1 and len(rec.bw) == 1
     n_attn = 2 if case.encoder else 1
-    if case.env.get("NVTE_FUSED_ATTN") == "0":
+    if not case.fused_attention:
         assert not _ops(rec.fw, ATTN_FWD)  # TE's unfused module, traced
     else:
         assert len(_ops(rec.fw, ATTN_FWD)) == n_attn
@@ -105,7 +105,7 @@ MATRIX = [
 def test_transformer_layer_joint_graph(case_name, recipe_name, patched, graph_breaks, monkeypatch):
     rec, layer, x, out = trace(case_name, recipe_name, monkeypatch)
     check_layer_graphs(rec, case_name, recipe_name, graph_breaks)
-    assert out.shape == x.shape and out.dtype == torch.bfloat16
+    assert out.shape == x.shape and out.dtype == cases.LAYER_CASES[case_name].dtype
     assert x.grad is not None and x.grad.shape == x.shape
     for name, p in layer.named_parameters():
         assert p.grad is not None and p.grad.shape == p.shape, name

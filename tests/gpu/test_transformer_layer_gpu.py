@@ -94,7 +94,7 @@ def check(case_name, recipe_name, monkeypatch, **kw):
         monkeypatch.setenv(k, v)
     want = steps(case_name, recipe_name, False, **kw)
     got = steps(case_name, recipe_name, True, **kw)
-    if cases.LAYER_CASES[case_name].env.get("NVTE_FUSED_ATTN") == "0":
+    if not cases.LAYER_CASES[case_name].fused_attention:
         # Unfused backend: inductor compiles TE's PyTorch attention code around TE's softmax
         # kernels: compared with a bound (see test_attention_gpu.py), measured value printed.
         for g, w in zip(got, want, strict=True):
