@@ -135,7 +135,8 @@ def _fwd_kernel(
         return_max_logit=False,
         cuda_graph=False,  # TE's own graph-capture flag, False in eager TE outside its graphs
     )
-    stats, rng_state = aux[0], aux[1]
+    # Contiguous as the fake kernel declares it (TE's backward makes it contiguous anyway).
+    stats, rng_state = aux[0].contiguous(), aux[1]
     return out, stats, rng_state
 
 
@@ -209,7 +210,7 @@ def _bwd_kernel(
         out,
         d_out.contiguous(),
         q.dtype,
-        [softmax_stats.contiguous(), rng_state],
+        [softmax_stats, rng_state],
         fa.FusedAttnBackend.cast(backend),
         cu_seqlens_q_padded=cu_seqlens_q_padded,
         cu_seqlens_kv_padded=cu_seqlens_kv_padded,
