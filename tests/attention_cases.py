@@ -143,6 +143,16 @@ def call_kwargs(case: LayerCase, *, seed=1) -> dict:
     return kwargs
 
 
+def reset_backend_choice() -> None:
+    """Eager TE caches its attention backend choice until the attention parameters change
+    (an NVTE_* switch flipped between tests would be ignored): make it choose again."""
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as dpa_module,
+    )
+
+    dpa_module._attention_backends["backend_selection_requires_update"] = True
+
+
 # ---- op arguments (opcheck) ----------------------------------------------------------------------
 
 

@@ -33,6 +33,7 @@ def run(make_dpa, shapes, compiled, *, seed=1, steps=1):
     """Fresh DotProductAttention, `steps` forward + backward passes with the same RNG seed
     before the first; returns per step {out, grad of every input}."""
     torch._dynamo.reset()
+    cases.reset_backend_choice()
     fn = make_dpa()
     backend = InductorRecorder()
     if compiled:

@@ -46,6 +46,7 @@ def steps(case_name, recipe_name, compiled, *, n=1, mode=None, lr=0.0):
     case = cases.LAYER_CASES[case_name]
     torch._dynamo.reset()
     FGS.reset()
+    cases.reset_backend_choice()
     layer = fresh_layer(case)
     recipe = recipe_for(recipe_name)
     kwargs = cases.call_kwargs(case)
