@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_cases import reset_backend_choice
 from conftest import recipe_instances
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
@@ -86,6 +87,7 @@ def train(model_name, recipe_name, *, seed=0, mode=None):
     for eager TE, "default" or "reduce-overhead" for torch.compile(fullgraph=True)."""
     torch._dynamo.reset()
     FGS.reset()
+    reset_backend_choice()  # eager TE chooses its attention backend afresh, as the trace does
     torch.manual_seed(0)  # the initial weights
     model = BUILD[model_name]()
     assert model.config.vocab_size == VOCAB
