@@ -433,9 +433,13 @@ def make_split_along_dim(original):
         __doc__ = original.__doc__
 
         @staticmethod
-        def apply(tensor, split_dim, split_size_or_sections, squeeze=False):
+        def apply(*args):
             if not torch.compiler.is_compiling():
-                return original.apply(tensor, split_dim, split_size_or_sections, squeeze)
+                # TE's backward returns one gradient per argument its callers pass (3 without
+                # `squeeze`): pass exactly the caller's arguments.
+                return original.apply(*args)
+            tensor, split_dim, split_size_or_sections, *rest = args
+            squeeze = bool(rest[0]) if rest else False
             if gemm_common.is_quantized(tensor):
                 raise _unsupported(MHA, "FP8 QKV projection outputs", "use fp8_mha=False")
             parts = torch.split(tensor, split_size_or_sections, dim=split_dim)
