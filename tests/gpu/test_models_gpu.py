@@ -7,13 +7,15 @@ Noise: both models train with hidden and attention dropout 0.1 (the Llama tutori
 use 0; here dropout gives eager training a run-to-run spread to measure). Eager TE trains from
 the same initial weights on the same batches with dropout seed 0 (the reference) and seeds
 1..3 (the noise runs): noise = the largest RMS over the 50 steps of (seed k - seed 0). The
-compiled run (seed 0) draws its dropout masks in inductor's kernels, not in eager's, so its
-curve is one more sample of that spread: its RMS distance to the reference must be within
+compiled run (seed 0) draws at least its hidden-dropout masks in inductor's kernels, not in
+eager's, so its curve is one more sample of that spread: its RMS distance to the reference must be within
 1.5x the noise. For scale: on this task the loss falls from ln(256) = 5.5 to about 1.7 in 50
 steps while dropout seeds move it by about 0.1 RMS (a plain-PyTorch model of the same shape on a
-CPU), so a broken gradient or scale shows. FP8 really ran: each FP8 curve differs from the bf16
-one. Sizes are small (H=256, 2 layers, S=128, B=4) to keep the file under ~3
-minutes on an H100, compile included.
+CPU), so a broken gradient or scale shows. FP8 really ran: each eager FP8 curve differs from
+the bf16 one, and after compiled DelayedScaling training every TE module's forward scales have
+moved from 1 (that each compiled GEMM op gets the recipe's FP8 config is checked on the traced
+graphs in tests/cpu/test_models_trace.py). Sizes are small (H=256, 2 layers, S=128, B=4) to
+keep the file under ~3 minutes on an H100, compile included.
 
 Run: `python -m pytest tests/gpu/test_models_gpu.py -m gpu` (or `-k models` from tests/).
 """
@@ -83,7 +85,7 @@ def data():
 
 def train(model_name, recipe_name, *, seed=0, mode=None):
     """STEPS AdamW steps from the same initial weights: (losses [STEPS] float32 on the CPU,
-    graphs dynamo compiled or None for eager). `seed` seeds the dropout draws; `mode`: None
+    graphs dynamo compiled or None for eager, the trained model). `seed` seeds the dropout draws; `mode`: None
     for eager TE, "default" or "reduce-overhead" for torch.compile(fullgraph=True)."""
     torch._dynamo.reset()
     FGS.reset()
@@ -114,7 +116,7 @@ def train(model_name, recipe_name, *, seed=0, mode=None):
         graphs = recorder.graphs
     elif mode is not None:
         graphs = counters["stats"]["unique_graphs"] - graphs_before
-    return torch.stack(losses).float().cpu(), graphs
+    return torch.stack(losses).float().cpu(), graphs, model
 
 
 @functools.cache
@@ -129,6 +131,16 @@ def rms(a, b) -> float:
 def noise(model_name, recipe_name) -> float:
     ref = eager(model_name, recipe_name)
     return max(rms(eager(model_name, recipe_name, s), ref) for s in NOISE_SEEDS)
+
+
+def check_delayed_state(model):
+    """DelayedScaling ran in FP8 in the compiled steps: every TE module's forward scales were
+    updated from their amax histories (a bf16 run leaves TE's initial scale of 1)."""
+    metas = [m.fp8_meta for m in model.modules() if "scaling_fwd" in getattr(m, "fp8_meta", {})]
+    assert metas, "no TE module holds DelayedScaling state"
+    for meta in metas:
+        scale = meta["scaling_fwd"].scale
+        assert not torch.equal(scale, torch.ones_like(scale)), "forward scales never updated"
 
 
 def check_curve(model_name, recipe_name, losses):
@@ -154,17 +166,21 @@ def check_curve(model_name, recipe_name, losses):
 @pytest.mark.parametrize("model_name", ["gpt", "llama"])
 def test_compiled_training_within_eager_noise(model_name, recipe_name, patched):
     skip_unless_supported(recipe_name)
-    losses, graphs = train(model_name, recipe_name, mode="default")
+    losses, graphs, model = train(model_name, recipe_name, mode="default")
     assert graphs == 1, f"{graphs} graphs over {STEPS} steps: recompiled after the first"
     check_curve(model_name, recipe_name, losses)
+    if recipe_name == "delayed":
+        check_delayed_state(model)
 
 
 @pytest.mark.parametrize("model_name,recipe_name", [("gpt", "delayed"), ("llama", "current")])
 def test_reduce_overhead_training_no_cudagraph_skips(model_name, recipe_name, patched):
     skip_unless_supported(recipe_name)
     skips_before = counters["inductor"]["cudagraph_skips"]
-    losses, graphs = train(model_name, recipe_name, mode="reduce-overhead")
+    losses, graphs, model = train(model_name, recipe_name, mode="reduce-overhead")
     skips = counters["inductor"]["cudagraph_skips"] - skips_before
     assert skips == 0, "inductor skipped CUDA graphs (run with TORCH_LOGS=cudagraphs for why)"
     assert graphs == 1, f"{graphs} graphs over {STEPS} steps: recompiled after the first"
     check_curve(model_name, recipe_name, losses)
+    if recipe_name == "delayed":
+        check_delayed_state(model)
