@@ -336,12 +336,13 @@ def compiled_dpa_forward(m, call: dict):
     )
 
 
-def _binder(original):
-    """A function mapping (args, kwargs) of a call of `original` (a method) to a dict of every
-    parameter (defaults filled in): plain dict work, which dynamo traces cheaply."""
+def _binder(original, method: bool = True):
+    """A function mapping (args, kwargs) of a call of `original` (a method: `self` excluded) to
+    a dict of every parameter (defaults filled in): plain dict work, which dynamo traces
+    cheaply."""
     import inspect
 
-    params = list(inspect.signature(original).parameters.values())[1:]
+    params = list(inspect.signature(original).parameters.values())[1 if method else 0 :]
     names = [p.name for p in params]
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
@@ -401,10 +402,12 @@ def make_update_roles(original):
     compiled path allows, FP8 attention refused) every role is None; setting them without
     reading the submodules' names keeps the traced code free of per-layer guards (each
     layer's names differ: one recompile per block under regional compilation)."""
+    bind = _binder(original)
 
-    def _update_output_quantizer_roles(self, qkv_fp8_output, proj_fp8_grad, dpa_fp8_output):
-        if not torch.compiler.is_compiling() or qkv_fp8_output or proj_fp8_grad or dpa_fp8_output:
-            return original(self, qkv_fp8_output, proj_fp8_grad, dpa_fp8_output)
+    def _update_output_quantizer_roles(self, *args, **kwargs):
+        flags = bind(args, kwargs)
+        if not torch.compiler.is_compiling() or any(flags.values()):
+            return original(self, *args, **kwargs)
         if self.attention_type == "self":
             qkv_linears = [self.layernorm_qkv if self.input_layernorm else self.qkv]
         else:
@@ -449,30 +452,15 @@ def make_split_along_dim(original):
 
 
 def make_apply_rotary_pos_emb(original):
-    def apply_rotary_pos_emb(
-        t,
-        freqs,
-        tensor_format="sbhd",
-        start_positions=None,
-        interleaved=False,
-        fused=False,
-        cu_seqlens=None,
-        cp_size=1,
-        cp_rank=0,
-    ):
-        if not (torch.compiler.is_compiling() and fused):
-            # Not compiling, or TE's unfused RoPE (plain PyTorch, traceable).
-            return original(
-                t,
-                freqs,
-                tensor_format,
-                start_positions,
-                interleaved,
-                fused,
-                cu_seqlens,
-                cp_size,
-                cp_rank,
-            )
+    bind = _binder(original, method=False)
+
+    def apply_rotary_pos_emb(*args, **kwargs):
+        call = bind(args, kwargs)
+        if not (torch.compiler.is_compiling() and call["fused"]):
+            # Not compiling (exactly the caller's arguments), or TE's unfused RoPE (plain
+            # PyTorch, traceable).
+            return original(*args, **kwargs)
+        tensor_format, cu_seqlens, freqs = call["tensor_format"], call["cu_seqlens"], call["freqs"]
         if tensor_format == "thd" and cu_seqlens is None:
             raise ValueError("cu_seqlens must not be None when tensor_format is 'thd'.")
         if tensor_format not in ("sbhd", "bshd", "thd"):
@@ -480,7 +468,14 @@ def make_apply_rotary_pos_emb(original):
         if freqs.dtype != torch.float32:  # as TE's FusedRoPEFunc
             freqs = freqs.float()
         return torch.ops.te_compile.fused_rope_fwd(
-            t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, cp_rank
+            call["t"],
+            freqs,
+            call["start_positions"],
+            cu_seqlens,
+            tensor_format,
+            bool(call["interleaved"]),
+            int(call["cp_size"]),
+            int(call["cp_rank"]),
         )
 
     apply_rotary_pos_emb.__doc__ = original.__doc__
