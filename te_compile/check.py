@@ -277,16 +277,18 @@ def _autocast(recipe):
 
 
 def _te_modules(model) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost TE modules of `model` (a TE module's TE children trace inside it)."""
+    """The outermost TE modules inside `model` (their own TE children trace inside them). When
+    the model itself is a TE module (a TransformerLayer), the outermost ones below it: the
+    model case already covers the whole."""
     if not isinstance(model, torch.nn.Module):
         return []
-    found = []
+    found: list[tuple[str, torch.nn.Module]] = []
     for name, module in model.named_modules():
-        if not type(module).__module__.startswith("transformer_engine."):
+        if name == "" or not type(module).__module__.startswith("transformer_engine."):
             continue
         if any(name.startswith(f"{outer}.") for outer, _ in found):
             continue
-        found.append((name or type(module).__name__, module))
+        found.append((name, module))
     return found
 
 

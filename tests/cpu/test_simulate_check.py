@@ -138,3 +138,17 @@ def test_tf32_legacy_api_keeps_both_readable(tf32_state):
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"  # the new API reads it too
     te_compile.configure_tf32(False, api="allow_tf32")
     assert torch.backends.cuda.matmul.allow_tf32 is False
+
+
+def test_check_a_te_module_as_the_model_lists_its_te_children(patched):
+    """A TransformerLayer as the model: the model case, then its outermost TE children (not the
+    layer twice, not its nested linears), each traced fwd+bwd on its own."""
+    with te_compile.simulate_gpu("hopper"):
+        layer = te.TransformerLayer(
+            128, 256, 4, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0
+        )
+        x = torch.randn(32, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    report = te_compile.check(layer, x, recipes=["current"])
+    assert report.ok, report.table()
+    assert [r.target for r in report.results] == ["model", "self_attention", "layernorm_mlp"]
+    assert "fused_attn_bwd" in report.results[1].ops
