@@ -76,10 +76,15 @@ LAYER_CASES = {
         ),
         rope=True,
     ),
-    "decoder": LayerCase(
+    # TE's default split QKV parameters: the cross attention's key/value projection is a
+    # te.Linear with parameters_split ("key", "value").
+    "decoder": LayerCase(dict(layer_type="decoder", self_attn_mask_type="causal"), encoder=True),
+    "decoder_fused_qkv": LayerCase(
         dict(layer_type="decoder", fuse_qkv_params=True, self_attn_mask_type="causal"),
         encoder=True,
     ),
+    # No input norm in the attention: its QKV projection is a te.Linear with parameters_split.
+    "output_layernorm": LayerCase(dict(output_layernorm=True, self_attn_mask_type="causal")),
     "qk_norm_rope": LayerCase(dict(qk_norm_type="RMSNorm"), rope=True),
     "sliding_window": LayerCase(dict(self_attn_mask_type="causal", window_size=(8, 0))),
     "rope_interleaved": LayerCase(dict(rotary_pos_interleaved=True), rope=True),

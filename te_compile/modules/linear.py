@@ -8,6 +8,10 @@ the driver) and writes no module state, so a traced step is replayable as is.
 
 Recipes: none (bf16/fp16/fp32), Float8CurrentScaling, Float8BlockScaling, DelayedScaling,
 MXFP8BlockScaling and NVFP4BlockScaling (the last two on Blackwell, as in eager TE).
+parameters_split: the split weights (and biases) are concatenated in the graph, as TE's
+`noop_cat` gives them to its GEMM (a view when they tile one buffer, else a copy: the same
+values either way); autograd sends each split parameter its slice of the gradient.
+
 DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`; FP8 weight caches
 (is_first_microbatch) are tensors on the module. Both are created at trace time
 (persistent_state.py) and mutated in place by the ops.
@@ -41,8 +45,15 @@ def _check_linear_options(m) -> None:
     """te.Linear options on top of the shared ones (gemm_common.check_module_options)."""
     if m.save_original_input:
         raise _unsupported("save_original_input=True", "set save_original_input=False")
-    if len(m.weight_names) != 1:
-        raise _unsupported("parameters_split", "use one weight parameter")
+    if m.fuse_wgrad_accumulation and len(m.weight_names) > 1:
+        raise _unsupported(
+            "fuse_wgrad_accumulation with parameters_split", "use one weight parameter"
+        )
+
+
+def concat_split(tensors: list) -> torch.Tensor:
+    """TE's noop_cat of split parameters, in the graph: one tensor of their rows."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 def _check_input(inp: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
@@ -63,18 +74,19 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     fp8, recipe = gemm_common.autocast_recipe(NAME)
     cfg = _quant_config(recipe)
     _check_linear_options(self)
-    weight = getattr(self, self.weight_names[0])
+    weights = [getattr(self, n) for n in self.weight_names]
     gemm_common.check_module_options(
         NAME,
         self,
-        [weight],
+        weights,
         is_first_microbatch=is_first_microbatch,
         fp8_output=fp8_output,
         fp8_grad=fp8_grad,
         cfg=cfg,
     )
 
-    bias = getattr(self, self.bias_names[0]) if self.use_bias else None
+    weight = concat_split(weights)
+    bias = concat_split([getattr(self, n) for n in self.bias_names]) if self.use_bias else None
     _check_input(inp, weight, fp8)
     act_dtype = gemm_common.activation_dtype(self, inp)
     inp = inp.contiguous()

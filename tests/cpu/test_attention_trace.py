@@ -181,11 +181,13 @@ def test_backend_choice_is_tes(patched):
         ({"num_gqa_groups": 2}, "sbhd_sbhd_sbhd"),  # GQA: split, made contiguous as eager
         # Split QKV parameters: TE turns qkv_weight_interleaved off.
         ({"input_layernorm": True, "fuse_qkv_params": False}, "sb3hd"),
+        # ... without input_layernorm: a te.Linear with parameters_split.
+        ({"fuse_qkv_params": False}, "sb3hd"),
     ],
 )
 def test_mha_layouts(kwargs, layout, patched, graph_breaks):
-    """(te.Linear's compiled path refuses parameters_split: without input_layernorm the QKV
-    projection is a te.Linear, so these use fuse_qkv_params=True.)"""
+    """The layout the projection's output reaches cuDNN attention with (fused QKV parameters
+    unless the case says otherwise)."""
     kwargs = {"fuse_qkv_params": True, **kwargs}
     with te_compile.simulate_gpu("hopper"):
         mha = te.MultiheadAttention(

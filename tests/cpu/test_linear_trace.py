@@ -199,8 +199,7 @@ def test_unsupported_module_options_are_named(option, patched, fake_gpu, fake_cu
         ("ub_overlap_rs_fprop", True, "userbuffers overlap"),
         ("ub_bulk_wgrad", True, "userbuffers overlap"),
         ("primary_weights_in_fp8", True, "FP8 parameters"),
-        # TE cannot split parameters on "meta": fake the split's bookkeeping instead
-        ("weight_names", ["a_weight", "b_weight"], "parameters_split"),
+        # (parameters_split is supported: tests/cpu/test_linear_split_trace.py)
     ],
 )
 def test_unsupported_module_state_is_named(
