@@ -1,10 +1,22 @@
 """GPU suite for te.TransformerLayer under torch.compile(fullgraph=True): compiled (inductor)
-vs eager TE on fresh, identical layers (option sets of tests/attention_cases.py), output and
-every gradient bit-identical (the same TE kernels run: cuDNN attention, fused RoPE, norms,
-GEMMs); no recompile over 3 steps (DelayedScaling state evolving); dropout; reduce-overhead
-with zero cudagraph skips.
+vs eager TE on fresh, identical layers (option sets of tests/attention_cases.py); no recompile
+over 3 steps (DelayedScaling state evolving); dropout; reduce-overhead with zero cudagraph
+skips.
 
-Lean: 7 layer compiles (each 10-30 s). Run: `python3 -m pytest tests -m gpu -k transformer_layer`.
+Parity. The TE kernels (cuDNN attention, fused RoPE, norms, GEMMs) are the same in both runs;
+the elementwise code between them (bias-dropout-add, residual adds, gradient sums) is not TE's:
+eager runs it as aten ops (and TE's bias-dropout-add as its own small torch.compile'd
+function), compiled runs it fused into the layer's inductor kernels. Inductor keeps a fused
+chain's intermediates in fp32 where eager rounds every op's result to bf16 (e.g. the residual
+stream's gradient d_out + dgrad_mlp + dgrad_qkv): 1-ULP differences in dgrad and bias
+gradients with inductor's defaults (run4 on an H100: max abs 0.0156-0.0625). With
+`emulate_precision_casts=True` inductor rounds each op's result to its dtype as eager does:
+then bit-identical is asserted. With inductor's defaults the measured max relative error is
+asserted below BF16_DEFAULT_BOUND (two bf16 ULPs of the tensor's largest magnitude) and
+printed (-s).
+
+Lean: about 9 layer compiles (each 10-30 s). Run: `python3 -m pytest tests -m gpu -k
+transformer_layer`.
 """
 
 from __future__ import annotations
@@ -24,6 +36,9 @@ from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 FGS = q.FP8GlobalStateManager
+# Eager's rounding of every elementwise result, in inductor's fused kernels (see the docstring).
+EAGER_ROUNDING = {"emulate_precision_casts": True}
+BF16_DEFAULT_BOUND = 2.0**-7
 
 
 def recipe_for(name):
@@ -87,24 +102,43 @@ def assert_same(got, want):
             )
 
 
-def check(case_name, recipe_name, monkeypatch, **kw):
+def max_rel_err(got, want) -> dict[str, float]:
+    """Per key, the max over steps of max|got - want| / max|want|."""
+    errs = {}
+    for g, w in zip(got, want, strict=True):
+        for key in w:
+            err = (g[key].float() - w[key].float()).abs().max() / w[key].float().abs().max()
+            errs[key] = max(errs.get(key, 0.0), err.item())
+    return errs
+
+
+def check(case_name, recipe_name, monkeypatch, *, exact=True, inductor=EAGER_ROUNDING, **kw):
+    """Compiled vs eager TE, both run under the inductor settings `inductor` (eager TE's own
+    torch.compile'd bias-dropout-add too): bit-identical when `exact`, else within
+    BF16_DEFAULT_BOUND (measured value printed)."""
+    import torch._inductor.config as inductor_config
+
     ok, reason = supported(recipe_name)
     if not ok:
         pytest.skip(reason)
     for k, v in cases.LAYER_CASES[case_name].env.items():
         monkeypatch.setenv(k, v)
-    want = steps(case_name, recipe_name, False, **kw)
-    got = steps(case_name, recipe_name, True, **kw)
+    with inductor_config.patch(inductor):
+        want = steps(case_name, recipe_name, False, **kw)
+        got = steps(case_name, recipe_name, True, **kw)
     if not cases.LAYER_CASES[case_name].fused_attention:
         # Unfused backend: inductor compiles TE's PyTorch attention code around TE's softmax
         # kernels: compared with a bound (see test_attention_gpu.py), measured value printed.
-        for g, w in zip(got, want, strict=True):
-            for key in w:
-                err = (g[key].float() - w[key].float()).abs().max() / w[key].float().abs().max()
-                print(f"{case_name} {key}: max relative error {err.item():.3g}")
-                assert err < 2e-2, key
+        for key, err in max_rel_err(got, want).items():
+            print(f"{case_name} {key}: max relative error {err:.3g}")
+            assert err < 2e-2, key
         return
-    assert_same(got, want)
+    if exact:
+        assert_same(got, want)
+        return
+    errs = max_rel_err(got, want)
+    print(f"{case_name}/{recipe_name} inductor defaults: max relative error per key {errs}")
+    assert max(errs.values()) <= BF16_DEFAULT_BOUND, errs
 
 
 # One layer per option set, the Hopper recipes spread over them; with the tests below, 7 layer
@@ -113,13 +147,21 @@ MATRIX = [
     ("default", "none"),  # packed sbh3d QKV, causal
     ("llama", "current"),  # bshd, GQA, RoPE, RMSNorm + swiglu, no bias, split QKV params
     ("padding_causal", "block"),  # padding mask from attention_mask
-    ("decoder", "none"),  # cross attention (q + packed kv)
+    ("decoder", "none"),  # cross attention (q + packed kv); key/value Linear parameters_split
 ]
 
 
 @pytest.mark.parametrize("case_name,recipe_name", MATRIX)
 def test_layer_matches_eager(case_name, recipe_name, patched, monkeypatch):
+    """Bit-identical with eager's rounding of the elementwise code between TE kernels."""
     check(case_name, recipe_name, monkeypatch)
+
+
+@pytest.mark.parametrize("case_name,recipe_name", [("default", "none"), ("llama", "current")])
+def test_layer_close_to_eager_with_inductor_defaults(case_name, recipe_name, patched, monkeypatch):
+    """Inductor's defaults (fp32 intermediates in fused elementwise chains): the measured max
+    relative error, within two bf16 ULPs of each tensor's largest magnitude."""
+    check(case_name, recipe_name, monkeypatch, exact=False, inductor={})
 
 
 def test_llama_layer_three_steps_delayed(patched, monkeypatch):
@@ -130,22 +172,32 @@ def test_llama_layer_three_steps_delayed(patched, monkeypatch):
 def test_dropout_same_seed_as_eager(patched, monkeypatch):
     """hidden_dropout and attention_dropout 0.1 with inductor's fallback_random (inductor then
     calls aten's dropout, drawing from the same Philox stream as eager; the attention op draws
-    where eager TE draws): bit-identical to eager under one seed. Without fallback_random,
-    inductor generates its own dropout masks (random per step, reproducible under a seed, not
-    eager's bits)."""
+    where eager TE draws): bit-identical to eager under one seed (with eager's rounding, as
+    test_layer_matches_eager). Without fallback_random, inductor generates its own dropout
+    masks (random per step, reproducible under a seed, not eager's bits)."""
+    check("dropout", "none", monkeypatch, n=2, inductor={**EAGER_ROUNDING, "fallback_random": True})
+
+
+@pytest.mark.parametrize(
+    "case_name,recipe_name",
+    [
+        ("rope", "current"),  # the issue's layer: split QKV parameters (TE's default)
+        ("fused_qkv", "none"),  # one QKV parameter: no parameters_split in the graph
+    ],
+)
+def test_reduce_overhead_no_cudagraph_skips(case_name, recipe_name, patched):
+    """CUDA graphs over 4 steps: zero cudagraph skips, every step equal to eager (with eager's
+    rounding, as test_layer_matches_eager). The second case separates the split QKV
+    parameters (views of one buffer, concatenated in the graph) from the rest of the layer:
+    see docs/architecture.md, "reduce-overhead and split parameters"."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "fallback_random", True)
-    check("dropout", "none", monkeypatch, n=2)
-
-
-def test_reduce_overhead_no_cudagraph_skips(patched):
-    """CUDA graphs over 4 steps: zero cudagraph skips, every step equal to eager."""
-    ok, reason = supported("current")
+    ok, reason = supported(recipe_name)
     if not ok:
         pytest.skip(reason)
-    want = steps("rope", "current", False, n=4, lr=0.01)
-    skips = counters["inductor"]["cudagraph_skips"]
-    got = steps("rope", "current", True, n=4, lr=0.01, mode="reduce-overhead")
+    with inductor_config.patch(EAGER_ROUNDING):
+        want = steps(case_name, recipe_name, False, n=4, lr=0.01)
+        skips = counters["inductor"]["cudagraph_skips"]
+        got = steps(case_name, recipe_name, True, n=4, lr=0.01, mode="reduce-overhead")
     assert counters["inductor"]["cudagraph_skips"] == skips
     assert_same(got, want)
