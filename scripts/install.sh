@@ -34,8 +34,9 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 py="$venv/bin/python"
 # pip quietly; on failure show everything it said. On success only pip's own top-level warnings
-# are kept, minus this machine's "index location is ignored" notices. Build-backend warnings
-# (indented, e.g. setuptools' "Editable installation" note) are dropped.
+# (and its dependency-conflict lines) are kept, minus this machine's "index location is ignored"
+# notices. Build-backend warnings (indented, e.g. setuptools' "Editable installation" note) are
+# dropped.
 pip() {
   local out status=0
   out=$(mktemp)
@@ -46,7 +47,8 @@ pip() {
     log "FAILED: pip $*"
     return "$status"
   fi
-  grep -E '^(WARNING|ERROR):' "$out" | grep -v 'is ignored: it is neither a file nor a directory' >&2 || true
+  grep -E '^(WARNING|ERROR):|^[^ ].* requires .*, but you have ' "$out" |
+    grep -v 'is ignored: it is neither a file nor a directory' >&2 || true
   rm -f "$out"
 }
 pip install -q --upgrade pip wheel 'setuptools>=77'
@@ -55,8 +57,9 @@ if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$
   log "installing torch $TORCH_VERSION"
   pip install -q "torch==$TORCH_VERSION"
 fi
-info=$("$py" -W ignore -c 'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}", torch.__version__, (torch.version.cuda or "13").split(".")[0])')
-read -r pyver torchver torchcuda <<<"$info"
+info=$("$py" -W ignore -c 'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}", torch.__version__, torch.version.cuda or "13.0")')
+read -r pyver torchver torchcudafull <<<"$info"
+torchcuda=${torchcudafull%%.*}
 log "torch $torchver (CUDA $torchcuda), python $pyver"
 
 # TE's Python code (transformer-engine) and core library (transformer-engine-cuNN) are wheels.
@@ -64,6 +67,23 @@ log "torch $torchver (CUDA $torchcuda), python $pyver"
 log "installing transformer-engine $TE_VERSION (core wheels, cu$torchcuda)"
 pip install -q "transformer-engine-cu$torchcuda==$TE_VERSION"
 pip install -q --no-deps "transformer-engine==$TE_VERSION"
+# TE refuses a cuDNN runtime older than its MIN_CUDNN_VERSION at import (9.12 for TE 2.20), and its
+# extension refuses older headers at build time; PyPI's torch 2.9/2.10 pin cuDNN 9.10.2.21. cuDNN 9
+# minors are backward compatible, so take TE's minimum (pip then notes the conflict with the pin).
+# Any later pip install that resolves torch's requirements puts the pin back: checked again at the end.
+cudnnpkg="nvidia-cudnn-cu$torchcuda"
+mincudnn=$(sed -n 's/^MIN_CUDNN_VERSION = (\([0-9]*\), *\([0-9]*\), *\([0-9]*\)).*/\1.\2.\3/p' \
+  "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/transformer_engine/common/__init__.py")
+ensure_cudnn() {
+  [ -n "$mincudnn" ] || return 0
+  "$py" -c "
+import sys, re, importlib.metadata as m
+have = tuple(int(p) for p in re.findall(r'\d+', m.version('$cudnnpkg'))[:3])
+sys.exit(have < tuple(int(p) for p in '$mincudnn'.split('.')))" 2>/dev/null && return 0
+  log "torch $torchver pins an older cuDNN; TE $TE_VERSION needs >= $mincudnn: installing $cudnnpkg~=$mincudnn"
+  pip install -q "$cudnnpkg~=$mincudnn"
+}
+ensure_cudnn
 
 # shellcheck source=/dev/null
 source "$root/scripts/env.sh" "$venv"
@@ -82,6 +102,7 @@ if ! "$py" -W ignore -c "import transformer_engine.pytorch" >/dev/null 2>&1; the
   if [ -z "$whl" ]; then
     log "building transformer-engine-torch $TE_VERSION from sdist against torch $torchver (~11 min on 2 cores)"
     src=$(mktemp -d)
+    trap 'rm -rf "$src"' EXIT
     pip install -q ninja pybind11 cmake
     # No build isolation: the extension must compile against the torch installed above.
     pip download -q --no-deps --no-build-isolation --no-binary transformer-engine-torch \
@@ -92,8 +113,13 @@ if ! "$py" -W ignore -c "import transformer_engine.pytorch" >/dev/null 2>&1; the
     export CUDA_HOME
     nvccmajor=$("$CUDA_HOME/bin/nvcc" --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
     if [ "$nvccmajor" != "$torchcuda" ]; then
-      # The extension is C++ only (no CUDA kernels); it needs CUDA headers matching torch's.
-      log "nvcc is CUDA $nvccmajor, torch is CUDA $torchcuda: using the NVIDIA pip packages' headers"
+      # The extension is C++ only (no CUDA kernels): it needs CUDA headers matching torch's, which
+      # are the NVIDIA pip packages torch pulled in plus nvcc's (crt/*.h) and CCCL's (nv/target),
+      # taken from pip too.
+      [ "$torchcuda" = 12 ] || { log "nvcc is CUDA $nvccmajor, torch CUDA $torchcudafull: set CUDA_HOME to a CUDA $torchcuda toolkit"; exit 1; }
+      log "nvcc is CUDA $nvccmajor, torch is CUDA $torchcudafull: building against the NVIDIA pip packages' CUDA $torchcudafull headers"
+      pip install -q "nvidia-cuda-nvcc-cu12~=$torchcudafull.0" "nvidia-cuda-cccl-cu12~=$torchcudafull.0"
+      CUDA_HOME=$("$py" -c 'import nvidia.cuda_nvcc as m; print(m.__path__[0])')
       export NVTE_BUILD_USE_NVIDIA_WHEELS=1
     fi
     NVTE_PYTORCH_FORCE_BUILD=TRUE NVTE_FRAMEWORK=pytorch MAX_JOBS=${MAX_JOBS:-$(nproc)} \
@@ -107,6 +133,7 @@ fi
 
 log "installing te-compile with test extras"
 pip install -q -e "$root[test]"
+ensure_cudnn
 "$py" -W ignore -c "
 import importlib.metadata as m
 import transformer_engine.pytorch, te_compile
