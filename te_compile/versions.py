@@ -7,7 +7,7 @@ from importlib import metadata
 
 from .errors import UnsupportedVersionError
 
-MIN_TORCH = (2, 9)
+MIN_TORCH = (2, 11)  # 2.9 aborts tracing fake CUDA autograd; docs/install.md (floor)
 SUPPORTED_TE = ((2, 20),)  # (major, minor) series whose internals we have mapped
 
 

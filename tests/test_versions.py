@@ -18,7 +18,10 @@ def test_supported_versions_pass():
 
 @pytest.mark.parametrize(
     "torch_ver,te_ver,fragment",
-    [("2.8.0", "2.20.2", "torch 2.8.0 is too old"), ("2.11.0", "2.19.1", "2.19.1 is not")],
+    [
+        ("2.10.0+cu128", "2.20.2", "torch 2.10.0+cu128 is too old"),
+        ("2.11.0", "2.19.1", "2.19.1 is not"),
+    ],
 )
 def test_unsupported_versions_name_both(torch_ver, te_ver, fragment):
     with pytest.raises(UnsupportedVersionError) as info:
