@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
+import re
 import sys
 import textwrap
 
@@ -203,6 +204,19 @@ def _te_compile_error_names() -> set[str]:
     return names
 
 
+def _message(observed: BaseException, top: BaseException) -> str:
+    """The message of an error raised in traced code. torch >= 2.14 keeps it in the observed
+    error ("raised exception Name('...')"); torch 2.11 keeps only the class there and the message
+    in the top-level error's "Developer debug context" (as "ConstantVariable(str: '...')")."""
+    text = str(observed).removeprefix("raised exception ")
+    if "Variable(" not in text:
+        call = re.fullmatch(r"(\w+)\((['\"])(.*)\2\)", text, re.S)  # Name('message')
+        return f"{call[1]}: {call[3]}" if call else text
+    found = re.search(r"ConstantVariable\(str: (['\"])(.*?)\1\)", str(top), re.S)
+    name = type(observed).__name__.removeprefix("Observed").removesuffix("Error")
+    return f"{name}: {found[2]}" if found else text
+
+
 def _classify(e: BaseException) -> tuple[str, str]:
     """(status, reason) for an exception raised while tracing or running a case. Dynamo
     re-raises an error raised in traced code as `Unsupported("Observed exception")` whose
@@ -215,12 +229,12 @@ def _classify(e: BaseException) -> tuple[str, str]:
     for err in chain:
         name = type(err).__name__
         if isinstance(err, TECompileError) or any(f"Observed{n}" in name for n in ours):
-            return "refused", str(err).removeprefix("raised exception ")
+            return "refused", _message(err, e)
     text = str(e).strip()
     if type(e).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
         observed = [err for err in chain[1:] if type(err).__name__.startswith("Observed")]
         if observed:  # an error raised in traced code (TE's own, e.g. a validation error)
-            return "error", str(observed[0]).removeprefix("raised exception ")
+            return "error", _message(observed[0], e)
         return "break", text.split("\n\nfrom user code")[0]
     return "error", f"{type(e).__name__}: {text}"
 
