@@ -348,3 +348,32 @@ def test_attention_op_is_a_random_op():
 
     assert torch.Tag.nondeterministic_seeded in torch.ops.te_compile.fused_attn_fwd.default.tags
     assert torch.Tag.nondeterministic_seeded not in torch.ops.te_compile.fused_attn_bwd.default.tags
+
+
+@pytest.mark.parametrize("layout", ["sb3hd", "sbhd_sb2hd"])
+def test_packed_layout_refused_inside_cuda_graph_capture(layout, monkeypatch):
+    """Packed q/k/v under CUDA graph capture gave wrong grads on the H100 (TransformerLayer under
+    reduce-overhead): the forward kernel refuses, naming the layout, before calling TE."""
+    from te_compile.errors import UnsupportedUnderCompileError
+    from te_compile.ops import attention as attn_ops
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(attn_ops, "_te_fused_attn", lambda: pytest.fail("reached TE's kernel"))
+    with pytest.raises(UnsupportedUnderCompileError, match=f"packed QKV layout '{layout}'"):
+        attn_ops._fwd_kernel([], None, None, None, None, layout, *([None] * 11))
+
+
+def test_separate_qkv_not_refused_inside_capture(monkeypatch):
+    from te_compile.ops import attention as attn_ops
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    class Reached(Exception):
+        pass
+
+    def te_kernel():
+        raise Reached
+
+    monkeypatch.setattr(attn_ops, "_te_fused_attn", te_kernel)
+    with pytest.raises(Reached):
+        attn_ops._fwd_kernel([], None, None, None, None, "sbhd_sbhd_sbhd", *([None] * 11))
