@@ -13,29 +13,12 @@ import dataclasses
 
 import torch
 
-_MXFP8_NO = "Device compute capability 10.0 or higher required for MXFP8 execution."
-_NVFP4_NO = "Device compute capability 10.0 or higher required for NVFP4 execution."
+from te_compile import simulate
 
-# name: (compute capability, the support answers TE would cache on that GPU)
+# name: (compute capability, the support answers TE would cache on that GPU), from the table
+# te_compile.simulate_gpu answers with.
 GENERATIONS = {
-    "hopper": (
-        (9, 0),
-        {
-            "_FP8_SUPPORT": (True, ""),
-            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
-            "_MXFP8_SUPPORT": (False, _MXFP8_NO),
-            "_NVFP4_SUPPORT": (False, _NVFP4_NO),
-        },
-    ),
-    "blackwell": (
-        (10, 0),
-        {
-            "_FP8_SUPPORT": (True, ""),
-            "_FP8_BLOCK_SCALING_SUPPORT": (True, ""),
-            "_MXFP8_SUPPORT": (True, ""),
-            "_NVFP4_SUPPORT": (True, ""),
-        },
-    ),
+    name: (gpu.capability, gpu.te_support_answers()) for name, gpu in simulate.ARCHS.items()
 }
 
 
