@@ -108,6 +108,10 @@ def ensure_delayed_states(fields: tuple) -> bool:
     would make compiled code mutate tensors it cannot reach through its own modules, which
     inductor's CUDA graphs refuse (a non-static mutated input)."""
     recipe = DelayedFields(*fields).recipe()
+    # Unreachable modules still in gc's lists would be registered too, and the compiled
+    # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
+    # trees skip a graph with such a mutated input. Collect them first (trace time only).
+    gc.collect()
     for module in _live_modules():
         if getattr(module, DELAYED_ATTR, None) is not None:
             continue

@@ -18,7 +18,8 @@ Inside the kernels: TE's own `fused_attn_fwd` / `fused_attn_bwd` (cpp_extensions
 arguments eager TE's FusedAttnFunc passes for F16/BF16 inputs without bias, softmax offset,
 FP8 or context parallelism. Dropout draws its Philox seed and offset from the default CUDA
 generator inside the forward kernel call, where eager TE draws it; the backward replays the
-forward's mask from the saved rng_state.
+forward's mask from the saved rng_state. TE's `cuda_graph` flag is True exactly while a CUDA
+graph is being captured, as eager TE passes it in its own graphs (see `_call_te`).
 """
 
 from __future__ import annotations
@@ -80,17 +81,23 @@ def _stats_shape(q: torch.Tensor, qkv_layout: str) -> tuple[int, ...]:
 # ---- forward -------------------------------------------------------------------------------------
 
 
-def _refuse_packed_under_capture(qkv_layout: str) -> None:
-    """Packed q/k/v layouts inside a CUDA graph capture gave wrong gradients from the first
-    replay, or an illegal memory access, on an H100 (TransformerLayer and MultiheadAttention
-    under mode="reduce-overhead"; separate q/k/v were right). Until the cause is found, refuse
-    rather than run wrong: a check at run time, where capture is visible."""
-    if len(qkv_layout.split("_")) < 3 and torch.cuda.is_current_stream_capturing():
-        raise UnsupportedUnderCompileError(
-            f"te_compile's fused attention with the packed QKV layout {qkv_layout!r} inside a "
-            "CUDA graph (mode='reduce-overhead' or a manual capture) is not supported: it gave "
-            "wrong gradients; use torch.compile's default mode for this module"
-        )
+def _call_te(kernel, *args, cuda_graph: bool, **kwargs):
+    """`kernel` (TE's fused_attn_fwd/bwd) called with TE's own graph-capture flag, as eager TE
+    passes it inside its CUDA graphs. With it TE refuses configurations that cuDNN runs wrong
+    inside a graph (TE 2.20: cuDNN <= 9.15, training, sbhd/bshd, max_seqlen_kv not a multiple
+    of 128, no padding mask: wrong gradients or an illegal memory access, seen on an H100 under
+    mode="reduce-overhead"); that refusal is re-raised with the ways out."""
+    try:
+        return kernel(*args, cuda_graph=cuda_graph, **kwargs)
+    except RuntimeError as e:
+        if cuda_graph and "CUDA graph" in str(e):
+            raise UnsupportedUnderCompileError(
+                "TE's cuDNN fused attention refuses this configuration inside a CUDA graph "
+                f"(mode='reduce-overhead' or a manual capture): {str(e).splitlines()[-1]} "
+                "Ways out: a sequence length that is a multiple of 128, a padding mask, a cuDNN "
+                "newer than 9.15, or torch.compile's default mode (no CUDA graphs)."
+            ) from e
+        raise
 
 
 def _fwd_kernel(
@@ -112,11 +119,11 @@ def _fwd_kernel(
     deterministic,
     backend,
 ):
-    _refuse_packed_under_capture(qkv_layout)
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, qkv_layout)
     o_format = layout_format(qkv_layout)
-    out, aux = fa.fused_attn_fwd(
+    out, aux = _call_te(
+        fa.fused_attn_fwd,
         is_training,
         max_seqlen_q,
         max_seqlen_kv,
@@ -148,7 +155,7 @@ def _fwd_kernel(
         rng_gen=None,  # the default CUDA generator, as eager TE
         softmax_offset=None,
         return_max_logit=False,
-        cuda_graph=False,  # TE's own graph-capture flag, False in eager TE outside its graphs
+        cuda_graph=torch.cuda.is_current_stream_capturing(),
     )
     # Contiguous as the fake kernel declares it (TE's backward makes it contiguous anyway).
     stats, rng_state = aux[0].contiguous(), aux[1]
@@ -214,7 +221,8 @@ def _bwd_kernel(
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, qkv_layout)
     o_format = layout_format(qkv_layout)
-    dq, dk, dv, *_ = fa.fused_attn_bwd(
+    dq, dk, dv, *_ = _call_te(
+        fa.fused_attn_bwd,
         max_seqlen_q,
         max_seqlen_kv,
         cu_seqlens_q,
@@ -247,7 +255,7 @@ def _bwd_kernel(
         window_size=tuple(window_size),
         bottom_right_diagonal=bottom_right_diagonal,
         deterministic=deterministic,
-        cuda_graph=False,
+        cuda_graph=torch.cuda.is_current_stream_capturing(),
     )
     return _join_grads(dq, dk, dv, qkv_layout)
 

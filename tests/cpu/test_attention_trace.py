@@ -350,30 +350,59 @@ def test_attention_op_is_a_random_op():
     assert torch.Tag.nondeterministic_seeded not in torch.ops.te_compile.fused_attn_bwd.default.tags
 
 
-@pytest.mark.parametrize("layout", ["sb3hd", "sbhd_sb2hd"])
-def test_packed_layout_refused_inside_cuda_graph_capture(layout, monkeypatch):
-    """Packed q/k/v under CUDA graph capture gave wrong grads on the H100 (TransformerLayer under
-    reduce-overhead): the forward kernel refuses, naming the layout, before calling TE."""
+class _FakeTE:
+    """TE's fused_attn module as the forward kernel sees it: records the `cuda_graph` flag;
+    raises `error` when given one."""
+
+    class FusedAttnBackend:
+        cast = staticmethod(lambda b: b)
+
+    def __init__(self, error=None):
+        self.error, self.flags = error, []
+
+    def fused_attn_fwd(self, *args, cuda_graph, **kwargs):
+        self.flags.append(cuda_graph)
+        if self.error is not None:
+            raise self.error
+        return torch.zeros(1), [torch.zeros(1), torch.zeros(2)]
+
+
+def _call_fwd_kernel(layout="sb3hd"):
+    from te_compile.ops import attention as attn_ops
+
+    qkv = [torch.zeros(4, 2, 3, 1, 8)] if layout == "sb3hd" else [torch.zeros(4, 2, 1, 8)] * 3
+    cfg = (layout, "causal", [-1, 0], False, 4, 4, 0.25, 0.0, True, True, False, 1)
+    return attn_ops._fwd_kernel(qkv, None, None, None, None, *cfg)
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_te_graph_capture_flag_passed(capturing, monkeypatch):
+    """TE's `cuda_graph` flag is passed as eager TE passes it in its own graphs: True exactly
+    while the stream is capturing (TE then refuses configurations cuDNN runs wrong there)."""
+    from te_compile.ops import attention as attn_ops
+
+    fake = _FakeTE()
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(attn_ops, "_te_fused_attn", lambda: fake)
+    _call_fwd_kernel()
+    assert fake.flags == [capturing]
+
+
+def test_te_capture_refusal_named(monkeypatch):
+    """TE's refusal inside a capture (cuDNN <= 9.15, sequence not a multiple of 128: wrong
+    gradients on an H100 otherwise) becomes a named error with the ways out; any other TE error
+    passes through unchanged."""
     from te_compile.errors import UnsupportedUnderCompileError
     from te_compile.ops import attention as attn_ops
 
+    te_msg = "Known cuDNN <= 9.15 issue with CUDA graph. Please upgrade cuDNN."
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    monkeypatch.setattr(attn_ops, "_te_fused_attn", lambda: pytest.fail("reached TE's kernel"))
-    with pytest.raises(UnsupportedUnderCompileError, match=f"packed QKV layout '{layout}'"):
-        attn_ops._fwd_kernel([], None, None, None, None, layout, *([None] * 11))
-
-
-def test_separate_qkv_not_refused_inside_capture(monkeypatch):
-    from te_compile.ops import attention as attn_ops
-
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-
-    class Reached(Exception):
-        pass
-
-    def te_kernel():
-        raise Reached
-
-    monkeypatch.setattr(attn_ops, "_te_fused_attn", te_kernel)
-    with pytest.raises(Reached):
-        attn_ops._fwd_kernel([], None, None, None, None, "sbhd_sbhd_sbhd", *([None] * 11))
+    monkeypatch.setattr(attn_ops, "_te_fused_attn", lambda: _FakeTE(RuntimeError(te_msg)))
+    with pytest.raises(UnsupportedUnderCompileError, match="multiple of 128") as info:
+        _call_fwd_kernel()
+    assert te_msg in str(info.value)
+    other = RuntimeError("some other TE failure")
+    monkeypatch.setattr(attn_ops, "_te_fused_attn", lambda: _FakeTE(other))
+    with pytest.raises(RuntimeError) as info:
+        _call_fwd_kernel("sbhd_sbhd_sbhd")
+    assert info.value is other

@@ -152,6 +152,31 @@ def test_module_lookup_survives_dead_weak_proxies(meta_delayed):
     assert len(rec.fw) == 1 and type(proxy) in weakref.ProxyTypes
 
 
+def test_unreachable_modules_get_no_state(meta_delayed):
+    """A te.Linear that is garbage (a reference cycle not yet collected) when the first trace
+    creates DelayedScaling state is not registered in TE's global buffers: the compiled
+    autocast exit would update its tensors, which no graph input reaches, and CUDA graph trees
+    skip graphs that mutate such inputs (seen on an H100 as "mutated inputs (2 instances)")."""
+    gc.disable()  # only the collection under test may free the garbage
+    try:
+        garbage = make_linear()
+        garbage.cycle = garbage
+        gone = weakref.ref(garbage)
+        del garbage
+        recipe = R.DelayedScaling()
+        linear = make_linear()
+        step = torch.compile(
+            step_fn(linear, recipe), backend=JointRecorder().backend, fullgraph=True
+        )
+        step(x_meta())
+    finally:
+        gc.enable()
+    assert gone() is None
+    key = FGS.get_key_in_buffer(True, recipe, None)
+    buffer = FGS.quantization_state.global_amax_history_buffer[key]
+    assert [h is linear.fp8_meta["scaling_fwd"].amax_history for h in buffer] == [True]
+
+
 def test_changing_recipe_costs_one_recompile(meta_delayed):
     """Equal recipes reuse the graph; switching the recipe kind compiles once more."""
     rec = train_steps([R.Float8CurrentScaling(), R.Float8CurrentScaling(), R.DelayedScaling()])
