@@ -4,7 +4,9 @@ Within the block, on a machine with or without a GPU:
 
 - what the code puts on "cuda" lands on the meta device (tensors with shape, dtype and
   autograd, no data, no driver): tensor factories' `device=` argument, `Tensor.to`,
-  `Tensor.cuda` and so `Module.cuda`/`Module.to`;
+  `Tensor.cuda` and so `Module.cuda`/`Module.to`, in eager code and in code dynamo traces
+  (the factories dynamo traces past a TorchFunctionMode, e.g. `torch.arange` on torch 2.11,
+  are wrapped while simulating);
 - `torch.cuda`'s device queries (`is_available`, `device_count`, `current_device`,
   `get_device_capability`, `get_device_properties`, `get_device_name`) answer as one GPU of
   `arch` would, so TE modules construct;
@@ -104,6 +106,43 @@ class _CudaToMeta(TorchFunctionMode):
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _META, *args[2:])
         return func(*args, **kwargs)
+
+
+# torch factories that dynamo before torch 2.14 (2.11 measured) traces without calling an active
+# TorchFunctionMode, so the mode never sees their `device="cuda"` (it does see torch.zeros,
+# ones, empty and full, and every call with a tensor argument). Replaced by wrappers while
+# simulating, which dynamo traces like any Python function.
+_FACTORIES = (
+    "arange",
+    "range",
+    "linspace",
+    "logspace",
+    "tensor",
+    "as_tensor",
+    "asarray",
+    "scalar_tensor",
+    "eye",
+    "rand",
+    "randn",
+    "randint",
+    "randperm",
+    "empty_strided",
+    "tril_indices",
+    "triu_indices",
+)
+
+
+def _cuda_on_meta(create):
+    """`create` (a torch factory) with a "cuda" `device=` replaced by meta; other devices and
+    no device (torch's default) stay as they are."""
+
+    def create_cuda_on_meta(*args, **kwargs):
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _META
+        return create(*args, **kwargs)
+
+    create_cuda_on_meta.__name__ = create_cuda_on_meta.__qualname__ = create.__name__
+    return create_cuda_on_meta
 
 
 def _available_unless_torch_asks(real) -> bool:
@@ -242,6 +281,9 @@ def simulate_gpu(arch: str = "hopper"):
 
     answer = torch.compiler.assume_constant_result(_simulated_fused_attn_backend)
     assignments.append((dpa_utils, "_get_fused_attn_backend", answer))
+    assignments += [
+        (torch, n, _cuda_on_meta(getattr(torch, n))) for n in _FACTORIES if hasattr(torch, n)
+    ]
     caches = _te_device_caches()
     for cache in caches:
         cache.cache_clear()

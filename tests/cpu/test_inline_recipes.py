@@ -19,7 +19,15 @@ INLINE = {
     "current": lambda: R.Float8CurrentScaling(),
     "block": lambda: R.Float8BlockScaling(),
     "current_qparams": lambda: R.Float8CurrentScaling(fp8_quant_fwd_inp=POWER_2),
+    # QParams/MMParams built inside compiled code too
+    "current_qparams_inline": lambda: R.Float8CurrentScaling(
+        fp8_quant_fwd_inp=R.QParams(power_2_scale=True, amax_epsilon=0.0),
+        fp8_gemm_fprop=R.MMParams(use_split_accumulator=True),  # not the default: acc=1
+    ),
+    # __post_init__ sets more than the fields (fp4_quant_* QParams): copied too
+    "nvfp4": lambda: R.NVFP4BlockScaling(),
 }
+ARCH = {"nvfp4": "blackwell"}
 
 
 @pytest.fixture
@@ -35,9 +43,9 @@ def _graph_strings(graphs) -> list[str]:
     return [a for gm in graphs for n in gm.graph.nodes for a in n.args if isinstance(a, str)]
 
 
-def _train(recipe_factory, steps: int):
+def _train(recipe_factory, steps: int, arch: str = "hopper"):
     """`steps` compiled fwd+bwd steps of a te.Linear whose forward builds its recipe inline."""
-    with te_compile.simulate_gpu("hopper"):
+    with te_compile.simulate_gpu(arch):
         model = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cuda")
         x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         rec = JointRecorder()
@@ -54,7 +62,7 @@ def _train(recipe_factory, steps: int):
 
 @pytest.mark.parametrize("name", list(INLINE))
 def test_inline_recipe_traces_once(name, patched, counters):
-    model, rec = _train(INLINE[name], steps=3)
+    model, rec = _train(INLINE[name], steps=3, arch=ARCH.get(name, "hopper"))
     assert sum(counters["graph_break"].values()) == 0
     assert len(rec.fw) == 1 and len(rec.bw) == 1, "a recompile across steps"
     assert "te_compile.linear_fwd.default" in rec.targets(rec.fw)
@@ -65,12 +73,14 @@ def test_inline_recipe_traces_once(name, patched, counters):
 
 @pytest.mark.parametrize("name", list(INLINE))
 def test_inline_recipe_same_graph_as_outside(name, patched):
-    _, inline = _train(INLINE[name], steps=1)
+    arch = ARCH.get(name, "hopper")
+    _, inline = _train(INLINE[name], steps=1, arch=arch)
     built = INLINE[name]()  # built eagerly, outside compiled code
-    _, outside = _train(lambda: built, steps=1)
+    _, outside = _train(lambda: built, steps=1, arch=arch)
     assert _graph_strings(inline.fw) == _graph_strings(outside.fw)
     assert _graph_strings(inline.bw) == _graph_strings(outside.bw)
-    assert any("current" in s or "delayed" in s or "block" in s for s in _graph_strings(inline.fw))
+    kinds = ("current", "delayed", "block", "nvfp4")
+    assert any(k in s for k in kinds for s in _graph_strings(inline.fw))
 
 
 def test_validation_error_at_trace_time(patched):

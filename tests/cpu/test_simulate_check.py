@@ -81,6 +81,7 @@ def test_simulate_restores_everything():
     available = torch.cuda.is_available
     answers = {n: getattr(quantization, n) for n in ("_FP8_SUPPORT", "_MXFP8_SUPPORT")}
     capability = utils.get_device_compute_capability
+    arange, tensor = torch.arange, torch.tensor
     with te_compile.simulate_gpu("blackwell") as gpu:
         assert torch.cuda.is_available() and torch.cuda.get_device_capability() == (10, 0)
         assert utils.get_device_compute_capability() == gpu.capability
@@ -88,10 +89,61 @@ def test_simulate_restores_everything():
         assert torch.empty(2, device="cuda").device.type == "meta"
         assert torch.zeros(2).to("cuda").device.type == "meta"
         assert torch.nn.Linear(2, 2).cuda().weight.device.type == "meta"
+        assert torch.arange(3, device="cuda").device.type == "meta"
+        assert torch.tensor([1.0], device="cuda").device.type == "meta"
+    assert torch.arange is arange and torch.tensor is tensor
     assert torch.cuda.is_available is available and not torch.cuda.is_available()
     assert utils.get_device_compute_capability is capability
     assert {n: getattr(quantization, n) for n in answers} == answers
     assert torch.empty(2).device.type == "cpu"
+
+
+@pytest.mark.parametrize("factory", ["arange", "randn", "zeros", "eye"])
+def test_simulate_places_traced_factories_on_meta(factory):
+    """Factories called in compiled code land on meta too: dynamo 2.11 traces torch.arange,
+    torch.randn, ... past the TorchFunctionMode (TE's unfused attention mask is built with
+    torch.arange(..., device="cuda"))."""
+    make = {
+        "arange": lambda: torch.arange(4, dtype=torch.float32, device="cuda"),
+        "randn": lambda: torch.randn(4, device="cuda"),
+        "zeros": lambda: torch.zeros(4, device="cuda"),
+        "eye": lambda: torch.eye(4, device="cuda")[0],
+    }[factory]
+    torch._dynamo.reset()
+    with te_compile.simulate_gpu("hopper"):
+        x = torch.ones(4, device="cuda")
+        out = torch.compile(lambda x: x * make(), backend="eager", fullgraph=True)(x)
+    assert out.device.type == "meta" and out.shape == (4,)
+
+
+def test_check_runs_the_model_s_compiled_helpers_eagerly(patched):
+    """Per module, the model's own code runs eagerly: a torch.compile'd helper it calls between
+    TE modules (as TE's jit fusions are) is not compiled there (inductor on meta tensors fails
+    in torch 2.11), only inlined into the whole-model case."""
+    compiled_helpers = []
+
+    def backend(gm, example_inputs):
+        compiled_helpers.append(gm)
+        return gm.forward
+
+    helper = torch.compile(lambda t: t * 2 + 1, backend=backend)
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = te.Linear(64, 64, params_dtype=torch.bfloat16)
+            self.fc2 = te.Linear(64, 64, params_dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return self.fc2(helper(self.fc1(x)))
+
+    with te_compile.simulate_gpu("hopper"):
+        model = Model()
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    report = te_compile.check(model, x, recipes=["current"])
+    assert report.ok, report.table()
+    assert [r.target for r in report.results] == ["model", "fc1", "fc2"]
+    assert compiled_helpers == []
 
 
 def test_simulate_rejects_unknown_arch():
