@@ -141,13 +141,14 @@ def check(case_name, recipe_name, monkeypatch, *, exact=True, inductor=EAGER_ROU
     assert max(errs.values()) <= BF16_DEFAULT_BOUND, errs
 
 
-# One layer per option set, the Hopper recipes spread over them; with the tests below, 7 layer
-# compiles in all. The unfused backend is compared at the attention level (test_attention_gpu).
+# One layer per option set of tests/attention_cases.py, the Hopper recipes spread over them in
+# turn (a layer compile each, 10-30 s). Random cases (dropout, drop path) are compared under one
+# seed below; the sequence-128 cases are the reduce-overhead ones.
+_RANDOM = {"dropout", "drop_path"}
+_RECIPES = ("none", "current", "block", "delayed")
 MATRIX = [
-    ("default", "none"),  # packed sbh3d QKV, causal
-    ("llama", "current"),  # bshd, GQA, RoPE, RMSNorm + swiglu, no bias, split QKV params
-    ("padding_causal", "block"),  # padding mask from attention_mask
-    ("decoder", "none"),  # cross attention (q + packed kv); key/value Linear parameters_split
+    (name, _RECIPES[i % len(_RECIPES)])
+    for i, name in enumerate(n for n in cases.LAYER_CASES if n not in _RANDOM and "s128" not in n)
 ]
 
 
@@ -169,13 +170,15 @@ def test_llama_layer_three_steps_delayed(patched, monkeypatch):
     check("llama", "delayed", monkeypatch, n=3, lr=0.01)
 
 
-def test_dropout_same_seed_as_eager(patched, monkeypatch):
+@pytest.mark.parametrize("case_name", sorted(_RANDOM))
+def test_dropout_same_seed_as_eager(case_name, patched, monkeypatch):
     """hidden_dropout and attention_dropout 0.1 with inductor's fallback_random (inductor then
     calls aten's dropout, drawing from the same Philox stream as eager; the attention op draws
     where eager TE draws): bit-identical to eager under one seed (with eager's rounding, as
     test_layer_matches_eager). Without fallback_random, inductor generates its own dropout
     masks (random per step, reproducible under a seed, not eager's bits)."""
-    check("dropout", "none", monkeypatch, n=2, inductor={**EAGER_ROUNDING, "fallback_random": True})
+    inductor = {**EAGER_ROUNDING, "fallback_random": True}
+    check(case_name, "none", monkeypatch, n=2, inductor=inductor)
 
 
 @pytest.mark.parametrize(
