@@ -181,14 +181,15 @@ def _delayed_update(recipe, group, histories, scales, direction: str) -> None:
             "is not supported under torch.compile (a Python callable cannot cross a custom-op "
             "boundary); use amax_compute_algo='max' or 'most_recent', or run this step eagerly."
         )
-    if recipe.reduce_amax and _world_size(group) > 1:
-        raise UnsupportedUnderCompileError(
-            "DelayedScaling(reduce_amax=True) across more than one rank is not supported under "
-            "torch.compile yet; set reduce_amax=False or run eagerly."
-        )
     e4m3 = recipe.fp8_format == Format.E4M3 or (
         recipe.fp8_format == Format.HYBRID and direction == "forward"
     )
+    latest = None
+    if recipe.reduce_amax and _world_size(group) > 1:
+        # As eager TE: the latest amaxes of every registered tensor, concatenated, MAX-reduced
+        # over the group. Traced, dynamo makes this a functional collective in the graph.
+        latest = torch.cat([h[0] for h in histories])
+        torch.distributed.all_reduce(latest, op=torch.distributed.ReduceOp.MAX, group=group)
     torch.ops.te_compile.amax_and_scale_update(
         histories,
         scales,
@@ -196,6 +197,7 @@ def _delayed_update(recipe, group, histories, scales, direction: str) -> None:
         "e4m3" if e4m3 else "e5m2",
         float(recipe.margin),
         not unfused_update_requested(),
+        latest,
     )
 
 

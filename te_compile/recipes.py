@@ -49,6 +49,9 @@ class QuantConfig:
     amax_algo: str = "max"
     margin: float = 0.0
     fused_update: bool = True
+    # DelayedScaling with reduce_amax over > 1 rank: the name of the group the backward update
+    # reduces amaxes over (ops/amax_groups.py); "" for none.
+    amax_group: str = ""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -79,7 +82,7 @@ class QuantConfig:
             f"eps={e(self.amax_eps)};blocks={e(self.block_dims)};acc={e(self.split_acc)};"
             f"transpose={e(self.fp8_transpose)};rht={e(self.rht)};"
             f"sr={e(self.stochastic_rounding)};algo={self.amax_algo};margin={e(self.margin)};"
-            f"fused={e(self.fused_update)}"
+            f"fused={e(self.fused_update)};group={self.amax_group}"
         )
 
     @staticmethod
@@ -111,6 +114,7 @@ _SHORT = {
     "amax_algo": "algo",
     "margin": "margin",
     "fused_update": "fused",
+    "amax_group": "group",
 }
 
 
@@ -170,10 +174,13 @@ def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float
     )
 
 
-def for_linear(recipe, *, fp8_transpose: bool, fused_update: bool = True) -> QuantConfig:
+def for_linear(
+    recipe, *, fp8_transpose: bool, fused_update: bool = True, amax_group: str = ""
+) -> QuantConfig:
     """The config te.Linear uses for `recipe` (None: no FP8). Only the recipe kinds in `KINDS`
     are handled here; the caller rejects the others first. `fused_update` is False where TE
-    runs its Python amax/scale update (NVTE_UNFUSED_FP8_UPDATE=1)."""
+    runs its Python amax/scale update (NVTE_UNFUSED_FP8_UPDATE=1); `amax_group` names
+    DelayedScaling's amax reduction group."""
     from transformer_engine.common.recipe import (
         DelayedScaling,
         Float8BlockScaling,
@@ -195,6 +202,7 @@ def for_linear(recipe, *, fp8_transpose: bool, fused_update: bool = True) -> Qua
             amax_algo=recipe.amax_compute_algo,
             margin=float(recipe.margin),
             fused_update=fused_update,
+            amax_group=amax_group,
         )
     if isinstance(recipe, MXFP8BlockScaling):
         # MXFP8BlockScalingRecipeState.make_quantizers (quantization.py:1529-1549): E4M3 or

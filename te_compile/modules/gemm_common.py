@@ -15,6 +15,7 @@ import math
 import torch
 
 from ..errors import UnsupportedUnderCompileError
+from ..ops.amax_groups import reduction_group_name
 from ..ops.fp8_operands import CACHEABLE_KINDS
 from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
 from . import persistent_state
@@ -70,8 +71,16 @@ def quant_config(name: str, recipe) -> QuantConfig:
             f"backward_override={recipe.backward_override!r}",
             "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
         )
+    amax_group = ""
+    if isinstance(recipe, R.DelayedScaling):
+        from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+
+        amax_group = reduction_group_name(recipe.reduce_amax, state.get_fp8_group())
     return for_linear(
-        recipe, fp8_transpose=fp8_transpose_layout(), fused_update=not unfused_update_requested()
+        recipe,
+        fp8_transpose=fp8_transpose_layout(),
+        fused_update=not unfused_update_requested(),
+        amax_group=amax_group,
     )
 
 
@@ -108,15 +117,6 @@ def _check_delayed(name: str, recipe) -> None:
             name,
             "a DelayedScaling with a callable amax_compute_algo or scaling_factor_compute_algo",
             "use amax_compute_algo='max' or 'most_recent' and no scaling_factor_compute_algo",
-        )
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
-
-    group = state.get_fp8_group()
-    if group is not None and recipe.reduce_amax:
-        raise unsupported(
-            name,
-            "DelayedScaling amax reduction over te.autocast(amax_reduction_group=...)",
-            "set reduce_amax=False",
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import registry
+from .amax_groups import all_reduce_max
 from .te_dtypes import FP8_DTYPES, te_fp8_dtype
 
 
@@ -21,20 +22,29 @@ def update_amax_and_scale(
     fp8_dtype: str,
     margin: float,
     fused: bool,
+    latest: torch.Tensor | None = None,
+    reduce_group: str = "",
 ) -> None:
     """Roll each `amax_histories[i]` ([history_len, n]) and recompute `scales[i]` ([n]).
 
-    The most recent amaxes are row 0 of each history, as TE's kernels leave them. `fused` picks
-    TE's fused CUDA kernel (the default) or its Python fallback (`NVTE_UNFUSED_FP8_UPDATE=1`).
-    Without a cross-rank reduction each (history, scale) pair updates independently, so one
-    call over many pairs equals one call per pair.
+    The most recent amaxes are row 0 of each history, as TE's kernels leave them, or `latest`
+    (those rows concatenated, already reduced across ranks by the caller). `reduce_group`
+    (amax_groups.py) names a group to MAX-reduce them over here instead. `fused` picks TE's
+    fused CUDA kernel (the default) or its Python fallback (`NVTE_UNFUSED_FP8_UPDATE=1`).
+    A MAX reduction is elementwise, so one call over many pairs equals one call per pair, with
+    or without it.
     """
     if fp8_dtype not in FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
     if not amax_histories:
         return
     # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated.
-    latest = torch.cat([h[0] for h in amax_histories])
+    if latest is None:
+        latest = torch.cat([h[0] for h in amax_histories])
+    elif reduce_group:
+        raise ValueError("pass `latest` already reduced, or `reduce_group`, not both")
+    if reduce_group:
+        all_reduce_max(latest, reduce_group)
     if fused:
         import transformer_engine_torch as tex
 
@@ -47,13 +57,18 @@ def update_amax_and_scale(
 
     recipe = DelayedScaling(margin=int(margin), amax_compute_algo=amax_compute_algo)
     fmt = Format.E4M3 if fp8_dtype == "e4m3" else Format.E5M2
+    if latest is not None or reduce_group:  # TE's split_and_copy of the reduced amaxes
+        rows = latest.split([h.shape[1] for h in amax_histories])
+        for history, row in zip(amax_histories, rows, strict=True):
+            history[0].copy_(row)
     for history, scale in zip(amax_histories, scales, strict=True):
         q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
 
 
 AMAX_AND_SCALE_UPDATE = registry.define(
     "amax_and_scale_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, "
-    "str amax_compute_algo, str fp8_dtype, float margin, bool fused) -> ()",
+    "str amax_compute_algo, str fp8_dtype, float margin, bool fused, Tensor? latest=None, "
+    "str reduce_group='') -> ()",
     update_amax_and_scale,  # the op runs the function above
-    lambda amax_histories, scales, amax_compute_algo, fp8_dtype, margin, fused: None,
+    lambda *args, **kwargs: None,
 )

@@ -300,5 +300,11 @@ def update_backward_state(bwd_scale: torch.Tensor, bwd_history: torch.Tensor, cf
     (history, scale) pair that is this update at the end of the module's own backward (see
     docs/architecture.md for when the two differ)."""
     update_amax_and_scale(
-        [bwd_history], [bwd_scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update
+        [bwd_history],
+        [bwd_scale],
+        cfg.amax_algo,
+        cfg.dtypes[2],
+        cfg.margin,
+        cfg.fused_update,
+        reduce_group=cfg.amax_group,
     )

@@ -1,0 +1,134 @@
+"""DelayedScaling amax reduction under torch.compile, traced on CPUs: 2 processes (gloo), a
+te.Linear on fake CUDA tensors (te_compile.simulate_gpu), `te.autocast(recipe=DelayedScaling(
+reduce_amax=True), amax_reduction_group=...)` inside the compiled step, fullgraph.
+
+What is checked per rank: one forward and one backward graph, no graph break; the forward
+graph holds the MAX all-reduce as a functional collective feeding the amax/scale update (as
+eager TE reduces at the autocast exit); the backward GEMM op gets the group's name, resolvable
+in that process, to reduce its backward amaxes (ops/amax_groups.py); without reduce_amax,
+neither. The numerics of the reduction run on 2 GPUs (tests/gpu/test_distributed_gpu.py).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _trace_on_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        results[rank] = _trace(dist)
+    except Exception as e:  # noqa: BLE001 (reported to the parent)
+        results[rank] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        dist.destroy_process_group()
+
+
+def _trace(dist) -> dict:
+    import transformer_engine.pytorch as te
+    from torch._dynamo.utils import counters
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
+
+    import te_compile
+    from te_compile.ops import amax_groups
+    from te_compile.recipes import QuantConfig
+    from te_compile_testing import JointRecorder, op_targets
+
+    te_compile.patch()
+    subgroup = dist.new_group(list(range(WORLD)))
+    out = {}
+    for name, reduce_amax, group in (
+        ("world", True, None),
+        ("subgroup", True, subgroup),
+        ("no_reduction", False, None),
+    ):
+        torch._dynamo.reset()
+        counters.clear()
+        FGS.reset()  # eager TE's autocast exit updates every recipe key it holds: one per case
+        recipe = R.DelayedScaling(reduce_amax=reduce_amax)
+        with te_compile.simulate_gpu("hopper"):
+            linear = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cuda")
+            x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+            def step(x, linear=linear, recipe=recipe, group=group):
+                with te.autocast(recipe=recipe, amax_reduction_group=group):
+                    return linear(x)
+
+            rec = JointRecorder()
+            torch.compile(step, backend=rec.backend, fullgraph=True)(x).sum().backward()
+        bwd_configs = [
+            n.kwargs["config"]
+            for gm in rec.bw
+            for n in gm.graph.nodes
+            if "linear_bwd" in str(n.args[0] if n.args else "")
+        ]
+        group_names = {QuantConfig.from_key(c).amax_group for c in bwd_configs}
+        out[name] = {
+            "graphs": (len(rec.fw), len(rec.bw)),
+            "breaks": sum(counters["graph_break"].values()),
+            "fw_ops": op_targets(rec.fw),
+            "bwd_groups": sorted(group_names),
+            "resolvable": all(
+                n == amax_groups.WORLD or n in amax_groups._GROUPS for n in group_names if n
+            ),
+            "subgroup_name": subgroup.group_name,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def traces():
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = _free_port()
+        procs = [ctx.Process(target=_trace_on_rank, args=(r, port, results)) for r in range(WORLD)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+        return dict(results)
+
+
+def _case(traces, rank, name):
+    result = traces[rank]
+    assert "error" not in result, result.get("error")
+    return result[name]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+@pytest.mark.parametrize("name", ["world", "subgroup"])
+def test_amax_all_reduce_in_forward_graph(traces, rank, name):
+    case = _case(traces, rank, name)
+    assert case["graphs"] == (1, 1) and case["breaks"] == 0
+    ops = case["fw_ops"]
+    reduce_at = ops.index("_c10d_functional.all_reduce.default")
+    assert "_c10d_functional.wait_tensor.default" in ops
+    assert ops.index("te_compile.amax_and_scale_update.default") > reduce_at
+    want = "world" if name == "world" else case["subgroup_name"]
+    assert case["bwd_groups"] == [want] and case["resolvable"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_no_collective_without_reduce_amax(traces, rank):
+    case = _case(traces, rank, "no_reduction")
+    assert case["graphs"] == (1, 1) and case["breaks"] == 0
+    assert not any("c10d" in op for op in case["fw_ops"])
+    assert case["bwd_groups"] == [""]
