@@ -112,6 +112,14 @@ def max_rel_err(got, want) -> dict[str, float]:
     return errs
 
 
+def assert_rounding_noise(got, want, key, scale_key, ratio=1e-2):
+    """`key`'s gradient in both runs is below `ratio` x the largest `scale_key` gradient."""
+    for run in (got, want):
+        for step in run:
+            scale = step[scale_key].float().abs().max()
+            assert step[key].float().abs().max() <= ratio * scale, (key, scale.item())
+
+
 def check(case_name, recipe_name, monkeypatch, *, exact=True, inductor=EAGER_ROUNDING, **kw):
     """Compiled vs eager TE, both run under the inductor settings `inductor` (eager TE's own
     torch.compile'd bias-dropout-add too): bit-identical when `exact`, else within
@@ -131,6 +139,12 @@ def check(case_name, recipe_name, monkeypatch, *, exact=True, inductor=EAGER_ROU
         # kernels: compared with a bound (see test_attention_gpu.py), measured value printed.
         for key, err in max_rel_err(got, want).items():
             print(f"{case_name} {key}: max relative error {err:.3g}")
+            if key.endswith("key_bias"):
+                # Softmax is invariant to a shift of every score of a query, so the key bias's
+                # true gradient is 0: both runs hold rounding noise (seen: 0.68 "relative" in
+                # fp32). Assert it is noise next to the query bias's gradient instead.
+                assert_rounding_noise(got, want, key, key.replace("key_bias", "query_bias"))
+                continue
             assert err < 2e-2, key
         return
     if exact:

@@ -1,0 +1,249 @@
+"""The GPT of examples/models.py trained data-parallel on several GPUs, compiled and eagerly,
+with TE FP8: DDP and FSDP2, DelayedScaling (amax reduced over the data-parallel group) and
+Float8CurrentScaling. Launch with torchrun:
+
+    torchrun --nproc-per-node 2 examples/distributed_gpt.py [--steps 50] [--out DIR]
+
+Per case (wrapper x recipe x compile), every rank trains from the same initial weights on its
+own batches; rank 0 prints the mean loss over ranks of the last step, the largest loss
+difference between compiled and eager over all steps, the median step time and the first
+step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) under --out.
+
+- ddp: `DistributedDataParallel(model)`; the training step (forward + loss, te.autocast inside)
+  compiled as one function with fullgraph=True.
+- fsdp2: `fully_shard` on each TransformerLayer, then on the model; compiled per block
+  (`torch.compile(layer, fullgraph=True)` on each TransformerLayer, te.autocast around the
+  model call, as torchtitan compiles), the regional compilation FSDP2 is used with.
+
+Then, for DelayedScaling with amax reduction, a stack of TE GEMM modules alone
+(te.LayerNormMLP + te.Linear, whose compiled graph has no op of its own between TE's kernels)
+under DDP: after every step the amax histories and scales of every module are checked to be
+identical across ranks and identical to eager TE's (rank r's inputs are scaled by 1 + r, so
+equal states across ranks come from the reduction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
+
+import te_compile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import models as M  # noqa: E402
+
+BATCH, SEQ, LR = 4, 128, 3e-3
+RECIPES = {
+    "delayed": lambda: R.DelayedScaling(reduce_amax=True),
+    "current": lambda: R.Float8CurrentScaling(),
+}
+
+
+def wrap(model, wrapper: str):
+    if wrapper == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[torch.cuda.current_device()])
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def train(wrapper: str, recipe_name: str, compiled: bool, data):
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    model = wrap(M.GPT(M.GPTConfig(max_seq_len=SEQ)), wrapper)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    recipe = RECIPES[recipe_name]()
+
+    def step(tokens, targets):
+        with te.autocast(recipe=recipe, amax_reduction_group=None):
+            logits = model(tokens)
+        return M.lm_loss(logits, targets)
+
+    if compiled and wrapper == "ddp":
+        step = torch.compile(step, fullgraph=True)
+    elif compiled:
+        for layer in model.layers:
+            layer.compile(fullgraph=True)
+    losses, times = [], []
+    for tokens, targets in data:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / dist.get_world_size())
+    return {
+        "losses": losses,
+        "median_ms": 1e3 * statistics.median(times[1:]),
+        "first_step_s": times[0],
+    }
+
+
+# ---- DelayedScaling state: across ranks and against eager TE ------------------------------------
+
+
+def gemm_stack():
+    torch.manual_seed(0)
+    h = 256
+    return torch.nn.Sequential(
+        te.LayerNormMLP(h, 4 * h, params_dtype=torch.bfloat16, device="cuda"),
+        te.Linear(h, h, params_dtype=torch.bfloat16, device="cuda"),
+    )
+
+
+def fp8_state(model) -> list[torch.Tensor]:
+    out = []
+    for m in model.modules():
+        meta = getattr(m, "fp8_meta", None)
+        if meta and "scaling_fwd" in meta:
+            for k in ("scaling_fwd", "scaling_bwd"):
+                out += [meta[k].amax_history.clone(), meta[k].scale.clone()]
+    return out
+
+
+def state_run(compiled: bool, steps: int):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch._dynamo.reset()
+    FGS.reset()
+    model = DDP(gemm_stack(), device_ids=[torch.cuda.current_device()])
+    recipe = R.DelayedScaling(reduce_amax=True, amax_history_len=8)
+
+    def fwd(x, target):
+        with te.autocast(recipe=recipe):
+            out = model(x)
+        return (out.float() * target).sum()
+
+    if compiled:
+        fwd = torch.compile(fwd, fullgraph=True)
+    states = []
+    g = torch.Generator(device="cpu").manual_seed(100 + dist.get_rank())
+    for _ in range(steps):
+        x = torch.randn(256, 256, generator=g).to("cuda", torch.bfloat16) * (1 + dist.get_rank())
+        target = torch.randn(256, 256, generator=g).to("cuda")
+        fwd(x, target).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 1e-3 * p.grad
+                p.grad = None
+        states.append(fp8_state(model.module))
+    return states
+
+
+def check_state(steps: int) -> dict:
+    eager = state_run(False, steps)
+    compiled = state_run(True, steps)
+    report = {"steps": steps, "equal_to_eager": True, "equal_across_ranks": True}
+    for step, (c, e) in enumerate(zip(compiled, eager, strict=True)):
+        for a, b in zip(c, e, strict=True):
+            if not torch.equal(a, b):
+                report["equal_to_eager"] = False
+                report.setdefault("first_mismatch", step)
+        flat = torch.cat([t.flatten().float() for t in c])
+        gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, flat)
+        if not all(torch.equal(gathered[0], t) for t in gathered[1:]):
+            report["equal_across_ranks"] = False
+    # The ranks' inputs differ (rank r's are scaled by 1 + r): equal states across ranks show
+    # the reduction.
+    return report
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--out", default=os.environ.get("OUT") or ".")
+    p.add_argument("--wrappers", default="ddp,fsdp2")
+    p.add_argument("--recipes", default="delayed,current")
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    te_compile.patch()
+    data = M.synthetic_batches(256, BATCH, SEQ, args.steps, seed=1 + rank)
+    results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
+    results["torch"], results["te"] = torch.__version__, te.__version__
+    for wrapper in args.wrappers.split(","):
+        for recipe_name in args.recipes.split(","):
+            case = f"{wrapper}/{recipe_name}"
+            try:
+                runs = {c: train(wrapper, recipe_name, c, data) for c in (False, True)}
+                diff = max(
+                    abs(a - b)
+                    for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
+                )
+                results[case] = {"eager": runs[False], "compiled": runs[True], "max_diff": diff}
+                if rank == 0:
+                    e, c = runs[False], runs[True]
+                    print(
+                        f"{case:16s} loss eager {e['losses'][-1]:.4f} compiled "
+                        f"{c['losses'][-1]:.4f} max|diff| {diff:.4f}  ms eager "
+                        f"{e['median_ms']:.2f} compiled {c['median_ms']:.2f}  first step s "
+                        f"{c['first_step_s']:.1f}",
+                        flush=True,
+                    )
+            except Exception as exc:  # noqa: BLE001 (reported, the other cases go on)
+                results[case] = {"error": f"{type(exc).__name__}: {exc}"}
+                if rank == 0:
+                    print(f"{case:16s} ERROR {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    try:
+        results["delayed_state"] = check_state(min(args.steps, 10))
+    except Exception as exc:  # noqa: BLE001
+        results["delayed_state"] = {"error": f"{type(exc).__name__}: {exc}"}
+    if rank == 0:
+        print("delayed state:", results["delayed_state"], flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "distributed-gpt.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        plot(results, args.out)
+    dist.destroy_process_group()
+    failed = any(isinstance(v, dict) and "error" in v for v in results.values())
+    return 1 if failed else 0
+
+
+def plot(results: dict, folder: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    cases = [k for k, v in results.items() if isinstance(v, dict) and "compiled" in v]
+    for i, case in enumerate(cases):
+        ax.plot(results[case]["eager"]["losses"], f"C{i}--", label=f"{case}, eager TE")
+        ax.plot(results[case]["compiled"]["losses"], f"C{i}", alpha=0.8, label=f"{case}, compiled")
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean training loss over ranks")
+    ax.set_title(f"GPT on {results['world']} x {results['device']}, FP8")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(folder, "distributed-gpt-loss.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""2-GPU suite: examples/distributed_gpt.py under torchrun (DDP and FSDP2 x DelayedScaling with
+amax reduction and Float8CurrentScaling, compiled vs eager), then its checks read back from the
+JSON it writes. Skips without 2 CUDA GPUs. Run: `python3 -m pytest tests/gpu -k distributed`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+CASES = ["ddp/delayed", "ddp/current", "fsdp2/delayed", "fsdp2/current"]
+LOSS_BOUND = 0.25  # max |compiled - eager| over 50 steps (inductor's fusion, amplified)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    out = tmp_path_factory.mktemp("distributed")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += [str(ROOT / "examples" / "distributed_gpt.py"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    print(proc.stdout[-6000:], proc.stderr[-6000:])
+    path = out / "distributed-gpt.json"
+    assert path.exists(), proc.stderr[-3000:]
+    results = json.loads(path.read_text())
+    dest = os.environ.get("OUT")
+    if dest:  # keep the JSON and PNG with the GPU logs
+        for f in out.iterdir():
+            (Path(dest) / f.name).write_bytes(f.read_bytes())
+    return results
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_trains_like_eager(run, case):
+    result = run[case]
+    assert "error" not in result, result.get("error")
+    eager, compiled = result["eager"]["losses"], result["compiled"]["losses"]
+    assert compiled[-1] < compiled[0] - 1.0, "compiled run did not learn"
+    assert result["max_diff"] < LOSS_BOUND, result["max_diff"]
+    print(case, "eager", eager[-1], "compiled", compiled[-1], "max diff", result["max_diff"])
+
+
+def test_delayed_state_reduced_and_equal_to_eager(run):
+    state = run["delayed_state"]
+    assert "error" not in state, state.get("error")
+    assert state["equal_across_ranks"], state
+    assert state["equal_to_eager"], state
