@@ -9,8 +9,8 @@ own batches; rank 0 prints the mean loss over ranks of the last step, the larges
 difference between compiled and eager over all steps, the median step time and the first
 step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) under --out.
 
-- ddp: `DistributedDataParallel(model)`; the training step (forward + loss, te.autocast inside)
-  compiled as one function with fullgraph=True.
+- ddp: `DistributedDataParallel` around a module whose forward is the training step (forward +
+  loss, te.autocast inside), that module compiled with fullgraph=True.
 - fsdp2: `fully_shard` on each TransformerLayer, then on the model; compiled per block
   (`torch.compile(layer, fullgraph=True)` on each TransformerLayer, te.autocast around the
   model call, as torchtitan compiles), the regional compilation FSDP2 is used with.
@@ -50,37 +50,46 @@ RECIPES = {
 }
 
 
-def wrap(model, wrapper: str):
+class LossStep(torch.nn.Module):
+    """Forward and loss under te.autocast: the module DDP wraps, compiled with fullgraph=True
+    (DDP's own forward, a logger call included, is not traceable)."""
+
+    def __init__(self, model, recipe):
+        super().__init__()
+        self.model, self.recipe = model, recipe
+
+    def forward(self, tokens, targets):
+        with te.autocast(recipe=self.recipe, amax_reduction_group=None):
+            logits = self.model(tokens)
+        return M.lm_loss(logits, targets)
+
+
+def build(wrapper: str, recipe, compiled: bool):
+    """The training step's module, wrapped and compiled as `wrapper` wants it."""
+    gpt = M.GPT(M.GPTConfig(max_seq_len=SEQ))
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[torch.cuda.current_device()])
+        step = LossStep(gpt, recipe)
+        if compiled:  # DDP's own forward does not trace (fullgraph); compile what it wraps
+            step.compile(fullgraph=True)
+        return gpt, DDP(step, device_ids=[torch.cuda.current_device()])
     from torch.distributed.fsdp import fully_shard
 
-    for layer in model.layers:
+    for layer in gpt.layers:
         fully_shard(layer)
-    fully_shard(model)
-    return model
+        if compiled:
+            layer.compile(fullgraph=True)
+    fully_shard(gpt)
+    return gpt, LossStep(gpt, recipe)
 
 
 def train(wrapper: str, recipe_name: str, compiled: bool, data):
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
-    model = wrap(M.GPT(M.GPTConfig(max_seq_len=SEQ)), wrapper)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    recipe = RECIPES[recipe_name]()
-
-    def step(tokens, targets):
-        with te.autocast(recipe=recipe, amax_reduction_group=None):
-            logits = model(tokens)
-        return M.lm_loss(logits, targets)
-
-    if compiled and wrapper == "ddp":
-        step = torch.compile(step, fullgraph=True)
-    elif compiled:
-        for layer in model.layers:
-            layer.compile(fullgraph=True)
+    gpt, step = build(wrapper, RECIPES[recipe_name](), compiled)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     losses, times = [], []
     for tokens, targets in data:
         torch.cuda.synchronize()
@@ -128,16 +137,22 @@ def state_run(compiled: bool, steps: int):
 
     torch._dynamo.reset()
     FGS.reset()
-    model = DDP(gemm_stack(), device_ids=[torch.cuda.current_device()])
     recipe = R.DelayedScaling(reduce_amax=True, amax_history_len=8)
 
-    def fwd(x, target):
-        with te.autocast(recipe=recipe):
-            out = model(x)
-        return (out.float() * target).sum()
+    class Fwd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = gemm_stack()
 
+        def forward(self, x, target):
+            with te.autocast(recipe=recipe):
+                out = self.stack(x)
+            return (out.float() * target).sum()
+
+    inner = Fwd()
     if compiled:
-        fwd = torch.compile(fwd, fullgraph=True)
+        inner.compile(fullgraph=True)
+    model = fwd = DDP(inner, device_ids=[torch.cuda.current_device()])
     states = []
     g = torch.Generator(device="cpu").manual_seed(100 + dist.get_rank())
     for _ in range(steps):
@@ -148,7 +163,7 @@ def state_run(compiled: bool, steps: int):
             for p in model.parameters():
                 p -= 1e-3 * p.grad
                 p.grad = None
-        states.append(fp8_state(model.module))
+        states.append(fp8_state(model.module.stack))
     return states
 
 
@@ -184,7 +199,7 @@ def main() -> int:
     te_compile.patch()
     data = M.synthetic_batches(256, BATCH, SEQ, args.steps, seed=1 + rank)
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
-    results["torch"], results["te"] = torch.__version__, te.__version__
+    results["torch"] = torch.__version__
     for wrapper in args.wrappers.split(","):
         for recipe_name in args.recipes.split(","):
             case = f"{wrapper}/{recipe_name}"
