@@ -14,6 +14,12 @@ step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) unde
 - fsdp2: `fully_shard` on each TransformerLayer, then on the model; compiled per block
   (`torch.compile(layer, fullgraph=True)` on each TransformerLayer, te.autocast around the
   model call, as torchtitan compiles), the regional compilation FSDP2 is used with.
+- fsdp2-whole: the same sharding, the whole step compiled (FSDP2's hooks in the trace).
+
+`--resume`: DelayedScaling under DDP, compiled: a sharded checkpoint (torch.distributed.
+checkpoint, model with TE's fp8_meta in its extra state, and AdamW) saved at step 5 of 10 and
+loaded into a fresh compiled model: the resumed steps' losses and the final DelayedScaling state
+compared with the uninterrupted run's.
 
 Then, for DelayedScaling with amax reduction, a stack of TE GEMM modules alone
 (te.LayerNormMLP + te.Linear, whose compiled graph has no op of its own between TE's kernels)
@@ -47,7 +53,9 @@ BATCH, SEQ, LR = 4, 128, 3e-3
 RECIPES = {
     "delayed": lambda: R.DelayedScaling(reduce_amax=True),
     "current": lambda: R.Float8CurrentScaling(),
+    "block": lambda: R.Float8BlockScaling(),
 }
+DEFAULT_CASES = "ddp/delayed,ddp/current,fsdp2/delayed,fsdp2/current"
 
 
 class LossStep(torch.nn.Module):
@@ -78,10 +86,13 @@ def build(wrapper: str, recipe, compiled: bool):
 
     for layer in gpt.layers:
         fully_shard(layer)
-        if compiled:
+        if compiled and wrapper == "fsdp2":  # per block
             layer.compile(fullgraph=True)
     fully_shard(gpt)
-    return gpt, LossStep(gpt, recipe)
+    step = LossStep(gpt, recipe)
+    if compiled and wrapper == "fsdp2-whole":  # the whole step, FSDP2's hooks included
+        step.compile(fullgraph=True)
+    return gpt, step
 
 
 def train(wrapper: str, recipe_name: str, compiled: bool, data):
@@ -186,13 +197,66 @@ def check_state(steps: int) -> dict:
     return report
 
 
+def resume_run(data, folder: str, resume: bool, at: int):
+    """Compiled DDP + DelayedScaling over `data`: uninterrupted (saving a checkpoint after step
+    `at`), or resumed from that checkpoint. Returns (losses of steps at.., final fp8 state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    gpt, step = build("ddp", RECIPES["delayed"](), True)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
+    if resume:
+        model_sd, optim_sd = get_state_dict(gpt, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=folder)
+        set_state_dict(gpt, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses = []
+    for i, (tokens, targets) in enumerate(data):
+        if resume and i < at:
+            continue
+        loss = step(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= at:
+            losses.append(loss.item())
+        if not resume and i + 1 == at:
+            model_sd, optim_sd = get_state_dict(gpt, opt)
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    return losses, fp8_state(gpt)
+
+
+def check_resume(data, at: int = 5) -> dict:
+    import tempfile
+
+    folder = os.path.join(tempfile.gettempdir(), "te-compile-distributed-gpt-checkpoint")
+    full, full_state = resume_run(data, folder, False, at)
+    dist.barrier()
+    resumed, resumed_state = resume_run(data, folder, True, at)
+    return {
+        "losses_full": full,
+        "losses_resumed": resumed,
+        "losses_equal": full == resumed,
+        "max_loss_diff": max(abs(a - b) for a, b in zip(full, resumed, strict=True)),
+        "fp8_state_equal": all(
+            torch.equal(a, b) for a, b in zip(full_state, resumed_state, strict=True)
+        ),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
-    p.add_argument("--wrappers", default="ddp,fsdp2")
-    p.add_argument("--recipes", default="delayed,current")
+    p.add_argument("--cases", default=DEFAULT_CASES, help="WRAPPER/RECIPE,...")
+    p.add_argument("--resume", action="store_true", help="the checkpoint resume check")
+    p.add_argument("--no-state", action="store_true", help="skip the DelayedScaling state check")
     args = p.parse_args()
+    if args.resume:  # bit-exact resume needs TE's deterministic attention backward
+        os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -200,35 +264,38 @@ def main() -> int:
     data = M.synthetic_batches(256, BATCH, SEQ, args.steps, seed=1 + rank)
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
     results["torch"] = torch.__version__
-    for wrapper in args.wrappers.split(","):
-        for recipe_name in args.recipes.split(","):
-            case = f"{wrapper}/{recipe_name}"
-            try:
-                runs = {c: train(wrapper, recipe_name, c, data) for c in (False, True)}
-                diff = max(
-                    abs(a - b)
-                    for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
+    for case in args.cases.split(",") if args.cases else []:
+        wrapper, recipe_name = case.split("/")
+        try:
+            runs = {c: train(wrapper, recipe_name, c, data) for c in (False, True)}
+            diff = max(
+                abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
+            )
+            results[case] = {"eager": runs[False], "compiled": runs[True], "max_diff": diff}
+            if rank == 0:
+                e, c = runs[False], runs[True]
+                print(
+                    f"{case:16s} loss eager {e['losses'][-1]:.4f} compiled "
+                    f"{c['losses'][-1]:.4f} max|diff| {diff:.4f}  ms eager "
+                    f"{e['median_ms']:.2f} compiled {c['median_ms']:.2f}  first step s "
+                    f"{c['first_step_s']:.1f}",
+                    flush=True,
                 )
-                results[case] = {"eager": runs[False], "compiled": runs[True], "max_diff": diff}
-                if rank == 0:
-                    e, c = runs[False], runs[True]
-                    print(
-                        f"{case:16s} loss eager {e['losses'][-1]:.4f} compiled "
-                        f"{c['losses'][-1]:.4f} max|diff| {diff:.4f}  ms eager "
-                        f"{e['median_ms']:.2f} compiled {c['median_ms']:.2f}  first step s "
-                        f"{c['first_step_s']:.1f}",
-                        flush=True,
-                    )
-            except Exception as exc:  # noqa: BLE001 (reported, the other cases go on)
-                results[case] = {"error": f"{type(exc).__name__}: {exc}"}
-                if rank == 0:
-                    print(f"{case:16s} ERROR {type(exc).__name__}: {str(exc)[:400]}", flush=True)
-    try:
-        results["delayed_state"] = check_state(min(args.steps, 10))
-    except Exception as exc:  # noqa: BLE001
-        results["delayed_state"] = {"error": f"{type(exc).__name__}: {exc}"}
+        except Exception as exc:  # noqa: BLE001 (reported, the other cases go on)
+            results[case] = {"error": f"{type(exc).__name__}: {exc}"}
+            if rank == 0:
+                print(f"{case:16s} ERROR {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+    checks = {} if args.no_state else {"delayed_state": lambda: check_state(min(args.steps, 10))}
+    if args.resume:
+        checks["resume"] = lambda: check_resume(data[:10])
+    for name, check in checks.items():
+        try:
+            results[name] = check()
+        except Exception as exc:  # noqa: BLE001
+            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if rank == 0:
+            print(f"{name}:", str(results[name])[:1500], flush=True)
     if rank == 0:
-        print("delayed state:", results["delayed_state"], flush=True)
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "distributed-gpt.json"), "w") as f:
             json.dump(results, f, indent=1)
