@@ -209,6 +209,10 @@ def resume_run(data, folder: str, resume: bool, at: int):
     gpt, step = build("ddp", RECIPES["delayed"](), True)
     opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     if resume:
+        # A fresh TE module's extra state (its fp8_meta) is empty until its first FP8 forward,
+        # and DCP loads in place into tensors of the saved size: one forward (no grad) first.
+        with torch.no_grad():
+            step(*data[0])
         model_sd, optim_sd = get_state_dict(gpt, opt)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=folder)
