@@ -47,5 +47,23 @@ def report() -> str:
         ]:
             ok, why = check()
             lines.append(_line(name, "yes" if ok else f"no ({why})"))
+        te = importlib.import_module("transformer_engine.pytorch")
+        try:
+            cudnn = _cudnn_graph_note(te.get_cudnn_version())
+        except Exception as e:  # noqa: BLE001  (a report, not a check)
+            cudnn = f"unknown ({type(e).__name__}: {e})"
+        lines.append(_line("cuDNN (TE's)", cudnn))
     lines.append(_line("patched", te_compile.is_patched()))
     return "\n".join(lines)
+
+
+def _cudnn_graph_note(version: tuple) -> str:
+    """TE's cuDNN version, with the CUDA-graph limit of cuDNN <= 9.15 that TE enforces: training
+    attention (sbhd/bshd, no padding mask) inside a CUDA graph needs max_seqlen_kv % 128 == 0."""
+    text = ".".join(str(v) for v in version)
+    if tuple(version) <= (9, 15, 0):
+        text += (
+            " (<= 9.15: under mode='reduce-overhead', attention needs sequence lengths that are "
+            "multiples of 128, or a padding mask; TE refuses the rest inside CUDA graphs)"
+        )
+    return text

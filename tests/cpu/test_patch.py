@@ -71,3 +71,13 @@ def test_eager_autocast_is_te_own_when_patched(patched, fake_gpu):
 def test_doctor_reports(patched):
     report = te_compile.doctor()
     assert "transformer-engine" in report and "patched" in report and "True" in report
+
+
+def test_doctor_cudnn_graph_note():
+    """cuDNN <= 9.15 (TE's `<= 91500` rule): the doctor names the CUDA-graph sequence limit."""
+    from te_compile.doctor import _cudnn_graph_note
+
+    assert "multiples of 128" in _cudnn_graph_note((9, 15, 0))
+    assert "multiples of 128" in _cudnn_graph_note((9, 10, 2))
+    assert _cudnn_graph_note((9, 15, 1)) == "9.15.1"
+    assert _cudnn_graph_note((9, 16, 0)) == "9.16.0"
