@@ -6,7 +6,10 @@ What is checked per rank: one forward and one backward graph, no graph break; th
 graph holds the MAX all-reduce as a functional collective feeding the amax/scale update (as
 eager TE reduces at the autocast exit); the backward GEMM op gets the group's name, resolvable
 in that process, to reduce its backward amaxes (ops/amax_groups.py); without reduce_amax,
-neither. The numerics of the reduction run on 2 GPUs (tests/gpu/test_distributed_gpu.py).
+neither. And the reduction's numerics on CPU tensors, through TE's Python update (the
+`NVTE_UNFUSED_FP8_UPDATE` path): the update op reducing over the group by name, or given amaxes
+the caller reduced, equals TE's reduce-then-update on every rank. The fused CUDA kernel's runs
+on 2 GPUs (tests/gpu/test_distributed_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,13 +30,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trace_on_rank(rank: int, port: int, results) -> None:
+def _trace_on_rank(rank: int, port: int, results, work=None) -> None:
     import torch.distributed as dist
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
-        results[rank] = _trace(dist)
+        results[rank] = (work or _trace)(dist)
     except Exception as e:  # noqa: BLE001 (reported to the parent)
         results[rank] = {"error": f"{type(e).__name__}: {e}"}
     finally:
@@ -93,18 +96,67 @@ def _trace(dist) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def traces():
+def _update_numerics(dist) -> dict:
+    """Our update with the reduction vs TE's reduce (all-gather + max here) then update, per
+    history/scale pair, on this rank's CPU tensors."""
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch import quantization as q
+
+    from te_compile.ops.delayed_scaling import update_amax_and_scale
+
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    histories = [torch.rand(4, 3, generator=g), torch.rand(4, 1, generator=g)]
+    for h in histories:  # this rank's latest amaxes differ from the other's
+        h[0] = torch.rand(h.shape[1], generator=torch.Generator().manual_seed(10 + rank)) * 8
+    scales = [torch.full((3,), 2.0), torch.full((1,), 0.5)]
+
+    latest = torch.cat([h[0] for h in histories])
+    gathered = [torch.empty_like(latest) for _ in range(WORLD)]
+    dist.all_gather(gathered, latest)
+    reduced = torch.stack(gathered).amax(dim=0)
+    want_h, want_s = [h.clone() for h in histories], [s.clone() for s in scales]
+    recipe = R.DelayedScaling(margin=0, amax_compute_algo="max")
+    for h, s, row in zip(want_h, want_s, reduced.split([3, 1]), strict=True):
+        h[0] = row
+        q._amax_and_scale_update(h, s, R.Format.E4M3.value.max_fwd, recipe)
+
+    def run(**kwargs):
+        hs, ss = [h.clone() for h in histories], [s.clone() for s in scales]
+        update_amax_and_scale(hs, ss, "max", "e4m3", 0.0, False, **kwargs)
+        return hs, ss
+
+    def same(got, want):
+        pairs = zip(got, want, strict=True)
+        return all(torch.equal(x, y) for a, b in pairs for x, y in zip(a, b, strict=True))
+
+    by_name, given = run(reduce_group="world"), run(latest=reduced.clone())
+    return {
+        "by_name": same(by_name, (want_h, want_s)),
+        "given": same(given, (want_h, want_s)),
+        "without_reduction_differs": not same(run(), (want_h, want_s)),
+        "scales": torch.cat(by_name[1]).tolist(),
+    }
+
+
+def _spawn(work=None) -> dict:
+    """Run `work(dist)` (default: the traces) on WORLD gloo ranks; {rank: its result}."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = _free_port()
-        procs = [ctx.Process(target=_trace_on_rank, args=(r, port, results)) for r in range(WORLD)]
+        args = [(r, port, results, work) for r in range(WORLD)]
+        procs = [ctx.Process(target=_trace_on_rank, args=a) for a in args]
         for p in procs:
             p.start()
         for p in procs:
             p.join(timeout=600)
         return dict(results)
+
+
+@pytest.fixture(scope="module")
+def traces():
+    return _spawn()
 
 
 def _case(traces, rank, name):
@@ -132,3 +184,13 @@ def test_no_collective_without_reduce_amax(traces, rank):
     assert case["graphs"] == (1, 1) and case["breaks"] == 0
     assert not any("c10d" in op for op in case["fw_ops"])
     assert case["bwd_groups"] == [""]
+
+
+def test_reduced_update_equals_te_on_every_rank():
+    results = _spawn(_update_numerics)
+    for rank in range(WORLD):
+        r = results[rank]
+        assert "error" not in r, r.get("error")
+        assert r["by_name"] and r["given"], r
+        assert r["without_reduction_differs"], r  # the ranks' amaxes really differ
+    assert results[0]["scales"] == results[1]["scales"]  # one scale across ranks
