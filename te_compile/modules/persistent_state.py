@@ -108,9 +108,11 @@ def ensure_delayed_states(fields: tuple) -> bool:
     would make compiled code mutate tensors it cannot reach through its own modules, which
     inductor's CUDA graphs refuse (a non-static mutated input)."""
     recipe = DelayedFields(*fields).recipe()
+    if all(getattr(m, DELAYED_ATTR, None) is not None for m in _live_modules()):
+        return True  # every trace after the first: nothing to create
     # Unreachable modules still in gc's lists would be registered too, and the compiled
     # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
-    # trees skip a graph with such a mutated input. Collect them first (trace time only).
+    # trees skip a graph with such a mutated input. Collect them first.
     gc.collect()
     for module in _live_modules():
         if getattr(module, DELAYED_ATTR, None) is not None:
