@@ -16,10 +16,10 @@ step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) unde
   model call, as torchtitan compiles), the regional compilation FSDP2 is used with.
 - fsdp2-whole: the same sharding, the whole step compiled (FSDP2's hooks in the trace).
 
-`--resume`: DelayedScaling under DDP, compiled: a sharded checkpoint (torch.distributed.
-checkpoint, model with TE's fp8_meta in its extra state, and AdamW) saved at step 5 of 10 and
-loaded into a fresh compiled model: the resumed steps' losses and the final DelayedScaling state
-compared with the uninterrupted run's.
+`--resume`: DelayedScaling, compiled, under DDP and under FSDP2 (per block): a checkpoint
+(torch.distributed.checkpoint: the model with TE's fp8_meta in its extra state, sharded under
+FSDP2, and AdamW) saved at step 5 of 10 and loaded into a fresh compiled model: the resumed
+steps' losses and the final DelayedScaling state compared with the uninterrupted run's.
 
 Then, for DelayedScaling with amax reduction, a stack of TE GEMM modules alone
 (te.LayerNormMLP + te.Linear, whose compiled graph has no op of its own between TE's kernels)
@@ -197,16 +197,17 @@ def check_state(steps: int) -> dict:
     return report
 
 
-def resume_run(data, folder: str, resume: bool, at: int):
-    """Compiled DDP + DelayedScaling over `data`: uninterrupted (saving a checkpoint after step
-    `at`), or resumed from that checkpoint. Returns (losses of steps at.., final fp8 state)."""
+def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
+    """Compiled `wrapper` + DelayedScaling over `data`: uninterrupted (saving a checkpoint after
+    step `at`), or resumed from that checkpoint. Returns (losses of steps at.., final fp8
+    state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
-    gpt, step = build("ddp", RECIPES["delayed"](), True)
+    gpt, step = build(wrapper, RECIPES["delayed"](), True)
     opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     if resume:
         # A fresh TE module's extra state (its fp8_meta) is empty until its first FP8 forward,
@@ -234,21 +235,26 @@ def resume_run(data, folder: str, resume: bool, at: int):
 
 
 def check_resume(data, at: int = 5) -> dict:
+    """Per wrapper (DDP, FSDP2 per-block: its state dict is sharded), the resumed run against
+    the uninterrupted one."""
     import tempfile
 
-    folder = os.path.join(tempfile.gettempdir(), "te-compile-distributed-gpt-checkpoint")
-    full, full_state = resume_run(data, folder, False, at)
-    dist.barrier()
-    resumed, resumed_state = resume_run(data, folder, True, at)
-    return {
-        "losses_full": full,
-        "losses_resumed": resumed,
-        "losses_equal": full == resumed,
-        "max_loss_diff": max(abs(a - b) for a, b in zip(full, resumed, strict=True)),
-        "fp8_state_equal": all(
-            torch.equal(a, b) for a, b in zip(full_state, resumed_state, strict=True)
-        ),
-    }
+    report = {}
+    for wrapper in ("ddp", "fsdp2"):
+        folder = os.path.join(tempfile.gettempdir(), f"te-compile-distributed-gpt-{wrapper}")
+        full, full_state = resume_run(data, folder, False, at, wrapper)
+        dist.barrier()
+        resumed, resumed_state = resume_run(data, folder, True, at, wrapper)
+        report[wrapper] = {
+            "losses_full": full,
+            "losses_resumed": resumed,
+            "losses_equal": full == resumed,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(full, resumed, strict=True)),
+            "fp8_state_equal": all(
+                torch.equal(a, b) for a, b in zip(full_state, resumed_state, strict=True)
+            ),
+        }
+    return report
 
 
 def main() -> int:

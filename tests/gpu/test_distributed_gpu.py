@@ -57,11 +57,12 @@ def test_delayed_state_reduced_and_equal_to_eager(run):
     assert state["equal_to_eager"], state
 
 
-def test_checkpoint_resume_matches_uninterrupted(run):
-    """DDP + DelayedScaling, compiled: a torch.distributed.checkpoint save at step 5 loaded into
-    a fresh compiled model; steps 6-10 and the final DelayedScaling state equal the
-    uninterrupted run's (TE's deterministic attention backward)."""
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_checkpoint_resume_matches_uninterrupted(run, wrapper):
+    """DelayedScaling, compiled: a torch.distributed.checkpoint save at step 5 loaded into a
+    fresh compiled model; steps 6-10 and the final DelayedScaling state equal the uninterrupted
+    run's (TE's deterministic attention backward)."""
     resume = run["resume"]
     assert "error" not in resume, resume.get("error")
-    assert resume["losses_equal"], resume
-    assert resume["fp8_state_equal"], resume
+    assert resume[wrapper]["losses_equal"], resume[wrapper]
+    assert resume[wrapper]["fp8_state_equal"], resume[wrapper]
