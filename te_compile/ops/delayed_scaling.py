@@ -38,11 +38,12 @@ def update_amax_and_scale(
         raise ValueError(f"fp8_dtype must be one of {FP8_DTYPES}, got {fp8_dtype!r}")
     if not amax_histories:
         return
+    if latest is not None and reduce_group:
+        raise ValueError("pass `latest` already reduced, or `reduce_group`, not both")
+    reduced = latest is not None or bool(reduce_group)
     # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated.
     if latest is None:
         latest = torch.cat([h[0] for h in amax_histories])
-    elif reduce_group:
-        raise ValueError("pass `latest` already reduced, or `reduce_group`, not both")
     if reduce_group:
         all_reduce_max(latest, reduce_group)
     if fused:
@@ -57,7 +58,7 @@ def update_amax_and_scale(
 
     recipe = DelayedScaling(margin=int(margin), amax_compute_algo=amax_compute_algo)
     fmt = Format.E4M3 if fp8_dtype == "e4m3" else Format.E5M2
-    if latest is not None or reduce_group:  # TE's split_and_copy of the reduced amaxes
+    if reduced:  # TE's split_and_copy of the reduced amaxes into the histories' row 0
         rows = latest.split([h.shape[1] for h in amax_histories])
         for history, row in zip(amax_histories, rows, strict=True):
             history[0].copy_(row)
