@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 
-from te_compile_testing import GENERATIONS, RecordingBackend
+from te_compile_testing import GENERATIONS, RecordingBackend, recipe_supported
 
 warnings.filterwarnings("ignore", module="transformer_engine")
 
@@ -130,6 +130,18 @@ def recipe_instances() -> dict:
         "nvfp4": R.NVFP4BlockScaling(),
         "custom": R.CustomRecipe(qfactory=_identity_factory),
     }
+
+
+def recipe_for(name: str):
+    """The recipe instance a test names ("none": no FP8, None)."""
+    return None if name == "none" else recipe_instances()[name]
+
+
+def skip_unless_supported(name: str) -> None:
+    """Skip the calling test where this GPU cannot run recipe `name` (TE's reason)."""
+    ok, reason = recipe_supported(name)
+    if not ok:
+        pytest.skip(reason)
 
 
 def _identity_factory(role):

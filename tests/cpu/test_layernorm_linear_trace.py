@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import RECIPE_GENERATION, compile_fullgraph, recipe_instances
+from conftest import RECIPE_GENERATION, compile_fullgraph, recipe_for, recipe_instances
 from transformer_engine.common import recipe as R
 
 from te_compile.modules import persistent_state
@@ -27,10 +27,6 @@ FWD, BWD = "te_compile.layernorm_linear_fwd.default", "te_compile.layernorm_line
 QUANTIZE_WEIGHT = "te_compile.quantize_weight.default"
 RECIPES = ["none", "current", "block", "delayed", "mxfp8", "nvfp4"]
 NORMS = ["LayerNorm", "RMSNorm"]
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
 
 
 def make(dtype=torch.bfloat16, **kwargs):

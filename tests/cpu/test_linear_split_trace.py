@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for
 
 import te_compile
 from te_compile.recipes import QuantConfig
@@ -27,10 +27,6 @@ SPLITS = {
     "tuple": (("query", "key", "value"), {"query": 32, "key": 32, "value": 32}),
     "dict": ({"query": 64, "key": 16, "value": 16}, {"query": 64, "key": 16, "value": 16}),
 }
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
 
 
 def compile_joint(module, recipe, x):

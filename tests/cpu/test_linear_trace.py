@@ -12,7 +12,7 @@ import contextlib
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import compile_fullgraph, recipe_instances
+from conftest import compile_fullgraph, recipe_for
 from transformer_engine.common import recipe as R
 
 import te_compile.modules.linear as module_linear
@@ -22,10 +22,6 @@ from te_compile_testing import JointRecorder
 FWD, BWD = "te_compile.linear_fwd", "te_compile.linear_bwd"
 RECIPES = ["none", "current", "block"]
 IN, OUT = 64, 32
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
 
 
 def make_linear(monkeypatch, device, *, bias=True, dtype=torch.bfloat16, **kwargs):

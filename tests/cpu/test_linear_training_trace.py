@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for
 
 from te_compile.modules import persistent_state
 from te_compile_testing import JointRecorder, build_without_gpu, meta_accepted, recipe_state_on
@@ -27,10 +27,6 @@ def meta_hopper(patched, fake_gpu, graph_breaks):
     fake_gpu("hopper")
     with meta_accepted(), recipe_state_on("meta"):
         yield graph_breaks
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
 
 
 def make_linear(**kwargs):

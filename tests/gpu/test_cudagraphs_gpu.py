@@ -18,11 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
-
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -31,16 +29,6 @@ RECIPES = ["none", "current", "block", "delayed"]  # the Hopper ones
 IN, OUT, TOKENS = 128, 256, 64
 BF16 = torch.bfloat16
 LR = 0.1
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    ok, reason = supported(name)
-    if not ok:
-        pytest.skip(reason)
 
 
 def fresh_linear() -> te.Linear:

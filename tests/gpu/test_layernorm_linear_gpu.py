@@ -15,14 +15,13 @@ import norm_cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
 from te_compile.modules import gemm_common
 from te_compile.recipes import QuantConfig
 from te_compile_testing import InductorRecorder
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -32,16 +31,6 @@ PADDED_SCALES = ("block", "mxfp8", "nvfp4")
 IN, OUT, TOKENS = 128, 256, 64
 BF16 = torch.bfloat16
 LR = 0.1
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    ok, reason = supported(name)
-    if not ok:
-        pytest.skip(reason)
 
 
 def fresh(dtype=BF16, **kwargs) -> te.LayerNormLinear:

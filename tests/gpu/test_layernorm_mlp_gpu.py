@@ -15,13 +15,12 @@ import mlp_cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 from te_compile.recipes import for_linear
 from te_compile_testing import InductorRecorder
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -30,16 +29,6 @@ HOPPER = ["none", "current", "block", "delayed"]
 ALL = [*HOPPER, "mxfp8", "nvfp4"]
 HIDDEN, FFN, SHAPE = 128, 256, (4, 32, 128)
 BF16 = torch.bfloat16
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    ok, reason = supported(name)
-    if not ok:
-        pytest.skip(reason)
 
 
 def fresh_mlp(dtype=BF16, **kwargs) -> te.LayerNormMLP:

@@ -12,12 +12,11 @@ import linear_cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
 from te_compile_testing import InductorRecorder
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +28,6 @@ PADDED_SCALES = ("block", "mxfp8", "nvfp4")
 FGS = q.FP8GlobalStateManager
 IN, OUT = 128, 256
 SHAPES = {"2d": (64, IN), "3d": (4, 32, IN)}
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    if not supported(name)[0]:
-        pytest.skip(supported(name)[1])
 
 
 def fresh_linear(bias: bool, dtype: torch.dtype) -> te.Linear:

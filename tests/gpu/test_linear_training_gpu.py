@@ -11,25 +11,14 @@ from __future__ import annotations
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from transformer_engine.pytorch import quantization as q
-
-from te_compile_testing import recipe_supported
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("patched")]
 
 FGS = q.FP8GlobalStateManager
 IN, OUT, TOKENS = 128, 256, 64
 MICROBATCHES = 4
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    if name != "none" and not recipe_supported(name)[0]:
-        pytest.skip(recipe_supported(name)[1])
 
 
 def fresh_linear(**kwargs) -> te.Linear:

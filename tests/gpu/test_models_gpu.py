@@ -30,12 +30,11 @@ from pathlib import Path
 import pytest
 import torch
 from attention_cases import reset_backend_choice
-from conftest import recipe_instances
+from conftest import recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
 from te_compile_testing import InductorRecorder
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -66,16 +65,6 @@ BUILD = {
     ),
 }
 VOCAB = 256  # both configs' default
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
-
-
-def skip_unless_supported(name):
-    ok, reason = supported(name)
-    if not ok:
-        pytest.skip(reason)
 
 
 @functools.cache

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_instances, skip_unless_supported
 from transformer_engine.pytorch import quantization as q
 
 import te_compile
-from te_compile_testing import recipe_supported as supported
 
 pytestmark = pytest.mark.gpu
 
@@ -41,12 +40,6 @@ def fresh_linear() -> te.Linear:
 def inputs(n: int) -> list[torch.Tensor]:
     torch.manual_seed(1)
     return [torch.randn(TOKENS, IN, device="cuda", dtype=BF16) for _ in range(n)]
-
-
-def skip_unless_supported(name):
-    ok, reason = supported(name)
-    if not ok:
-        pytest.skip(reason)
 
 
 # ---- configure_tf32 ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import attention_cases as cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
-from conftest import recipe_instances
+from conftest import recipe_for
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
@@ -39,10 +39,6 @@ FGS = q.FP8GlobalStateManager
 # Eager's rounding of every elementwise result, in inductor's fused kernels (see the docstring).
 EAGER_ROUNDING = {"emulate_precision_casts": True}
 BF16_DEFAULT_BOUND = 2.0**-7
-
-
-def recipe_for(name):
-    return None if name == "none" else recipe_instances()[name]
 
 
 def fresh_layer(case):
