@@ -107,9 +107,9 @@ def ensure_delayed_states(fields: tuple) -> bool:
     global buffers for this recipe (then only marked): registering a module of another model
     would make compiled code mutate tensors it cannot reach through its own modules, which
     inductor's CUDA graphs refuse (a non-static mutated input)."""
-    recipe = DelayedFields(*fields).recipe()
     if all(getattr(m, DELAYED_ATTR, None) is not None for m in _live_modules()):
         return True  # every trace after the first: nothing to create
+    recipe = DelayedFields(*fields).recipe()
     # Unreachable modules still in gc's lists would be registered too, and the compiled
     # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
     # trees skip a graph with such a mutated input. Collect them first.

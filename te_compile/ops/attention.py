@@ -81,12 +81,14 @@ def _stats_shape(q: torch.Tensor, qkv_layout: str) -> tuple[int, ...]:
 # ---- forward -------------------------------------------------------------------------------------
 
 
-def _call_te(kernel, *args, cuda_graph: bool, **kwargs):
-    """`kernel` (TE's fused_attn_fwd/bwd) called with TE's own graph-capture flag, as eager TE
-    passes it inside its CUDA graphs. With it TE refuses configurations that cuDNN runs wrong
-    inside a graph (TE 2.20: cuDNN <= 9.15, training, sbhd/bshd, max_seqlen_kv not a multiple
-    of 128, no padding mask: wrong gradients or an illegal memory access, seen on an H100 under
-    mode="reduce-overhead"); that refusal is re-raised with the ways out."""
+def _call_te(kernel, *args, **kwargs):
+    """`kernel` (TE's fused_attn_fwd/bwd) called with TE's own graph-capture flag, True exactly
+    while a CUDA graph is being captured, as eager TE passes it inside its CUDA graphs. With it
+    TE refuses configurations that cuDNN runs wrong inside a graph (TE 2.20: cuDNN <= 9.15,
+    training, sbhd/bshd, max_seqlen_kv not a multiple of 128, no padding mask: wrong gradients
+    or an illegal memory access, seen on an H100 under mode="reduce-overhead"); that refusal is
+    re-raised with the ways out."""
+    cuda_graph = torch.cuda.is_current_stream_capturing()
     try:
         return kernel(*args, cuda_graph=cuda_graph, **kwargs)
     except RuntimeError as e:
@@ -155,7 +157,6 @@ def _fwd_kernel(
         rng_gen=None,  # the default CUDA generator, as eager TE
         softmax_offset=None,
         return_max_logit=False,
-        cuda_graph=torch.cuda.is_current_stream_capturing(),
     )
     # Contiguous as the fake kernel declares it (TE's backward makes it contiguous anyway).
     stats, rng_state = aux[0].contiguous(), aux[1]
@@ -255,7 +256,6 @@ def _bwd_kernel(
         window_size=tuple(window_size),
         bottom_right_diagonal=bottom_right_diagonal,
         deterministic=deterministic,
-        cuda_graph=torch.cuda.is_current_stream_capturing(),
     )
     return _join_grads(dq, dk, dv, qkv_layout)
 
