@@ -35,7 +35,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -101,21 +100,11 @@ def train(wrapper: str, recipe_name: str, compiled: bool, data):
     torch.manual_seed(0)
     gpt, step = build(wrapper, RECIPES[recipe_name](), compiled)
     opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
-    losses, times = [], []
-    for tokens, targets in data:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / dist.get_world_size())
+    losses, times = M.timed_steps(step, opt, data)
+    mean = torch.stack(losses).float()
+    dist.all_reduce(mean)  # the mean loss over ranks, per step
     return {
-        "losses": losses,
+        "losses": (mean / dist.get_world_size()).tolist(),
         "median_ms": 1e3 * statistics.median(times[1:]),
         "first_step_s": times[0],
     }

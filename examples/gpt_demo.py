@@ -84,17 +84,7 @@ def train(recipe, compiled: bool, data):
     backend = InductorRecorder()
     if compiled:
         step = torch.compile(step, backend=backend, fullgraph=True)
-    losses, times = [], []
-    for tokens, targets in data:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        loss = step(tokens, targets)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        losses.append(loss.detach())
+    losses, times = M.timed_steps(step, opt, data)
     median_ms = 1e3 * statistics.median(times[1:])
     return (
         torch.stack(losses).float().cpu(),

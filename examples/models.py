@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 
 import torch
 import torch.nn.functional as F
@@ -180,6 +181,24 @@ def train_step(model: torch.nn.Module, recipe):
         return lm_loss(logits, targets)
 
     return step
+
+
+def timed_steps(step, opt, data) -> tuple[list[torch.Tensor], list[float]]:
+    """One training step per (tokens, targets) of `data`: `step` (forward + loss), backward,
+    `opt`. Returns the detached losses and each step's seconds (the GPU synchronized around
+    it; the first includes compiling)."""
+    losses, times = [], []
+    for tokens, targets in data:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step(tokens, targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.detach())
+    return losses, times
 
 
 def synthetic_batches(
