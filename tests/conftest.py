@@ -132,6 +132,23 @@ def recipe_instances() -> dict:
     }
 
 
+def example_models():
+    """examples/models.py as a module (the GPT and Llama-style models the tests train), loaded
+    once under one name."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "te_example_models"
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "examples" / "models.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
 def recipe_for(name: str):
     """The recipe instance a test names ("none": no FP8, None)."""
     return None if name == "none" else recipe_instances()[name]

@@ -41,6 +41,15 @@ def t(*shape, grad=True):
     return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=grad)
 
 
+def make_mha(**kwargs):
+    """A bf16 te.MultiheadAttention on "cuda" (meta under simulate_gpu), fused QKV parameters
+    unless `kwargs` says otherwise."""
+    kwargs = {"fuse_qkv_params": True, **kwargs}
+    return te.MultiheadAttention(
+        cases.HIDDEN, cases.HEADS, params_dtype=torch.bfloat16, device="cuda", **kwargs
+    )
+
+
 # ---- DotProductAttention -----------------------------------------------------------------------
 
 
@@ -188,11 +197,8 @@ def test_backend_choice_is_tes(patched):
 def test_mha_layouts(kwargs, layout, patched, graph_breaks):
     """The layout the projection's output reaches cuDNN attention with (fused QKV parameters
     unless the case says otherwise)."""
-    kwargs = {"fuse_qkv_params": True, **kwargs}
     with te_compile.simulate_gpu("hopper"):
-        mha = te.MultiheadAttention(
-            cases.HIDDEN, cases.HEADS, params_dtype=torch.bfloat16, device="cuda", **kwargs
-        )
+        mha = make_mha(**kwargs)
         x = t(S, B, cases.HIDDEN)
         rec, out = compile_joint(mha, x)
     assert graph_breaks() == 0 and out.shape == x.shape
@@ -201,13 +207,7 @@ def test_mha_layouts(kwargs, layout, patched, graph_breaks):
 
 def test_mha_rotary(patched, graph_breaks):
     with te_compile.simulate_gpu("hopper"):
-        mha = te.MultiheadAttention(
-            cases.HIDDEN,
-            cases.HEADS,
-            params_dtype=torch.bfloat16,
-            device="cuda",
-            fuse_qkv_params=True,
-        )
+        mha = make_mha()
         rope = te.attention.RotaryPositionEmbedding(cases.HEAD_DIM)(max_seq_len=S)
         x = t(S, B, cases.HIDDEN)
         rec, out = compile_joint(lambda x: mha(x, rotary_pos_emb=rope), x)
@@ -277,13 +277,7 @@ def test_flash_backend_is_named(patched, monkeypatch):
 @pytest.mark.parametrize("recipe", [R.DelayedScaling(fp8_dpa=True), R.DelayedScaling(fp8_mha=True)])
 def test_mha_fp8_attention_is_named(recipe, patched):
     with te_compile.simulate_gpu("hopper"):
-        mha = te.MultiheadAttention(
-            cases.HIDDEN,
-            cases.HEADS,
-            params_dtype=torch.bfloat16,
-            device="cuda",
-            fuse_qkv_params=True,
-        )
+        mha = make_mha()
 
         def step(x):
             with te.autocast(recipe=recipe):

@@ -10,7 +10,6 @@ TransformerLayer (attention included) appear forward and backward."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import example_models
 from transformer_engine.common import recipe as R
 
 import te_compile
@@ -31,15 +31,7 @@ pytestmark = [
 ]
 
 
-def _load_models():
-    spec = importlib.util.spec_from_file_location("te_example_models", ROOT / "examples/models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-M = _load_models()
+M = example_models()
 RECIPES = {
     "none": lambda: None,
     "current": R.Float8CurrentScaling,

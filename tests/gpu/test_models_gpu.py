@@ -23,14 +23,11 @@ Run: `python -m pytest tests/gpu/test_models_gpu.py -m gpu` (or `-k models` from
 from __future__ import annotations
 
 import functools
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from attention_cases import reset_backend_choice
-from conftest import recipe_for, skip_unless_supported
+from conftest import example_models, recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
@@ -38,7 +35,6 @@ from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
 
-ROOT = Path(__file__).resolve().parents[2]
 FGS = q.FP8GlobalStateManager
 RECIPES = ["none", "current", "block", "delayed"]  # the Hopper ones
 STEPS, BATCH, SEQ, LR = 50, 4, 128, 3e-3
@@ -47,15 +43,7 @@ NOISE_SEEDS = (1, 2, 3)
 NOISE_FACTOR = 1.5
 
 
-def _load_models():
-    spec = importlib.util.spec_from_file_location("te_example_models", ROOT / "examples/models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-M = _load_models()
+M = example_models()
 BUILD = {
     "gpt": lambda: M.GPT(
         M.GPTConfig(max_seq_len=SEQ, hidden_dropout=DROPOUT, attention_dropout=DROPOUT)
