@@ -10,7 +10,9 @@ Not compiling: TE's own code, unchanged. While dynamo traces:
   - FusedAttention (cuDNN, TE's default on Hopper): one `te_compile::fused_attn_fwd` op,
   - UnfusedDotProductAttention (when forced, e.g. NVTE_FUSED_ATTN=0 without flash-attn):
     TE's own module, which TE 2.20 wrote traceable (its softmax kernels are TE custom ops),
-  - FlashAttention: refused by name (flash-attn's own ops are not wrapped here).
+  - FlashAttention (when forced, e.g. NVTE_FUSED_ATTN=0 with flash-attn installed): TE's own
+    module, traced: flash-attn >= 2.7 registers its kernels as torch custom ops; older
+    flash-attn, FlashAttention 3 and 4 are refused by name.
 - `MultiheadAttention.forward`: TE's forward, traced, after refusing what the compiled path
   does not cover (FP8 attention, KV caching). Its pieces that dynamo cannot trace are swapped:
   `SplitAlongDim.apply` (a data-pointer test in backward) becomes `torch.split`, and
@@ -21,7 +23,7 @@ Not compiling: TE's own code, unchanged. While dynamo traces:
 Refused by name (UnsupportedUnderCompileError): FP8 attention (recipe fp8_dpa / fp8_mha),
 context parallelism, KV caching (inference_params), checkpoint_core_attention, THD format and
 THD policies, attention bias and ALiBi, non-vanilla softmax, return_max_logit, score_mod,
-attention dropout under a CUDA RNG states tracker, and the FlashAttention backend.
+attention dropout under a CUDA RNG states tracker, and flash-attn < 2.7, FlashAttention 3 / 4.
 """
 
 from __future__ import annotations
@@ -47,10 +49,11 @@ def _unsupported(name: str, option: str, fix: str = ""):
 
 @torch.compiler.assume_constant_result
 def select_backend(params: tuple) -> tuple:
-    """(use_flash, flash_version, use_fused, fused_backend, use_unfused): TE's
+    """(use_flash, flash_version, flash_refusal, use_fused, fused_backend, use_unfused): TE's
     get_attention_backend on AttentionParams(**dict(params)), run eagerly at trace time
     (device capability, cuDNN version, flash-attn install and NVTE_* switches are read as
-    eager TE reads them). `params` holds plain values; "qkv_dtype" is a dtype's name."""
+    eager TE reads them). `params` holds plain values; "qkv_dtype" is a dtype's name.
+    `flash_refusal` is "" when the picked flash-attn traces into the graph, else why not."""
     from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
 
     kwargs = dict(params)
@@ -61,10 +64,34 @@ def select_backend(params: tuple) -> tuple:
     return (
         bool(use_flash),
         str(flash_version) if use_flash else "",
+        _flash_refusal(int(flash_version.major)) if use_flash else "",
         bool(use_fused),
         int(fused_backend) if use_fused else -1,
         bool(use_unfused),
     )
+
+
+_FLASH2_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward")
+
+
+def _flash_refusal(major: int) -> str:
+    """Why flash-attn of this major version cannot run inside the graph ("" when it can).
+    FlashAttention 2 registers its kernels as torch custom ops (with fake kernels) from 2.7
+    on, so TE's FlashAttention module traces; before 2.7 they are pybind calls dynamo cannot
+    trace. TE runs FlashAttention 4 outside the graph (no custom ops), and FlashAttention 3
+    is not covered by te-compile's GPU tests."""
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
+        FlashAttentionUtils,
+    )
+
+    if major == 2:
+        ops_there = all(hasattr(torch.ops.flash_attn, name) for name in _FLASH2_OPS)
+        if FlashAttentionUtils.v2_7_0_plus and ops_there:
+            return ""
+        return "its kernels are torch custom ops only from flash-attn 2.7 on"
+    if major == 3:
+        return "FlashAttention 3 is not covered by te-compile's tests"
+    return "TE runs FlashAttention 4 outside torch.compile's graph"
 
 
 # ---- DotProductAttention -----------------------------------------------------------------------
@@ -221,6 +248,58 @@ def _padded(given, cu_seqlens, batch: int, mask_type: str):
     return cu_seqlens[: batch + 1] if "padding" in mask_type else None
 
 
+def _flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask_type, window, softcap):
+    """TE's own FlashAttention module with the arguments eager DotProductAttention passes it
+    (flash-attn >= 2.7 only: its kernels are custom ops with fake kernels, so dynamo traces
+    TE's layout changes, packing for padding masks and flash-attn's autograd.Functions)."""
+    from transformer_engine.pytorch import cpu_offload
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as dpa_module,
+    )
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
+        FlashAttentionUtils,
+    )
+
+    if cpu_offload.is_cpu_offload_enabled():
+        raise _unsupported(DPA, "CPU activation offloading", "disable CPU offload")
+    cu_q, cu_kv, max_q, max_kv = seqlens
+    heads = int(q.shape[-2])
+    trim = None
+    if q.shape[-1] != v.shape[-1]:
+        # FlashAttention 2 takes one head size: eager TE pads q/k/v to the larger, trims after.
+        q, k, v, qk_dim, v_dim = dpa_module._pad_qkv_head_dim(q, k, v)
+        trim = (qk_dim, v_dim) if qk_dim > v_dim else None
+    out = m.flash_attention(
+        q,
+        k,
+        v,
+        attention_mask=call["attention_mask"],
+        qkv_layout=layout,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        attn_mask_type=mask_type,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        cp_group=None,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        fp8=False,
+        fp8_meta=m.fp8_meta,
+        quantizers=m.quantizers,
+        pad_between_seqs=bool(call["pad_between_seqs"]),
+        inference_params=None,
+        flash_attention_backend=FlashAttentionUtils.version,
+        fp8_output=False,
+        num_splits=int(call["num_splits"] or 1),
+        cu_seqlens_q_padded=call["cu_seqlens_q_padded"],
+        cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
+    )
+    if trim is not None:
+        out = dpa_module._trim_output(out, heads, *trim)
+    return out
+
+
 def compiled_dpa_forward(m, call: dict):
     """The traceable DotProductAttention.forward; `call` maps TE's parameter names to the
     arguments of this call."""
@@ -270,14 +349,20 @@ def compiled_dpa_forward(m, call: dict):
         ("num_splits", int(call["num_splits"] or 1)),
         ("softmax_scale", float(m.softmax_scale)),
     )
-    use_flash, flash_version, use_fused, fused_backend, use_unfused = select_backend(params)
+    use_flash, flash_version, flash_refusal, use_fused, fused_backend, use_unfused = select_backend(
+        params
+    )
     if use_flash:
-        raise _unsupported(
-            DPA,
-            f"the FlashAttention backend (flash-attn {flash_version}, picked by TE for these "
-            "inputs)",
-            "set NVTE_FLASH_ATTN=0 to let TE pick cuDNN fused or unfused attention",
-        )
+        if flash_refusal:
+            raise _unsupported(
+                DPA,
+                f"the FlashAttention backend with flash-attn {flash_version} ({flash_refusal}; "
+                "picked by TE for these inputs)",
+                "install flash-attn >= 2.7, or set NVTE_FLASH_ATTN=0 to let TE pick cuDNN fused "
+                "or unfused attention",
+            )
+        seqlens = (cu_q, cu_kv, max_q, max_kv)
+        return _flash_attention(m, call, q, k, v, layout, seqlens, mask_type, window, softcap)
     if use_fused:
         out, _, _ = torch.ops.te_compile.fused_attn_fwd(
             tensors,

@@ -16,6 +16,7 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 
+from te_compile.modules import attention as attention_module
 from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
@@ -135,23 +136,138 @@ def test_dropout_is_eagers_and_random_per_step(patched):
 
 
 def test_backend_when_cudnn_attention_is_off(patched, monkeypatch):
-    """NVTE_FUSED_ATTN=0: TE picks FlashAttention if flash-attn is installed (refused by name
-    under compile), else UnfusedDotProductAttention (TE's module, traced)."""
+    """NVTE_FUSED_ATTN=0: TE picks FlashAttention if flash-attn is installed (traced from 2.7
+    on, else refused by name), else UnfusedDotProductAttention (TE's module, traced)."""
     from transformer_engine.pytorch.attention.dot_product_attention.utils import (
         FlashAttentionUtils,
     )
 
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    cases.reset_backend_choice()
     dpa = te.DotProductAttention(H, D, attn_mask_type="causal")
     q, k, v = inputs([sbhd()] * 3)
     compiled = torch.compile(dpa, fullgraph=True)
-    if FlashAttentionUtils.is_installed:
+    if FlashAttentionUtils.is_installed and attention_module._flash_refusal(2):
         with pytest.raises(Exception, match="FlashAttention backend"):
             compiled(q, k, v)
         return
     out = compiled(q, k, v)
     out.backward(torch.ones_like(out))
     assert out.shape == (S, B, H * D) and all(x.grad is not None for x in (q, k, v))
+
+
+# ---- FlashAttention (forced: NVTE_FUSED_ATTN=0 with flash-attn >= 2.7 installed) ---------------
+
+
+@pytest.fixture
+def flash(patched, monkeypatch):
+    """TE picks flash-attn 2 (cuDNN attention off), deterministic so that gradients compare
+    bit for bit (flash-attn's backward accumulates dq with atomics otherwise)."""
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
+        FlashAttentionUtils,
+    )
+
+    if not FlashAttentionUtils.is_installed:
+        pytest.skip("flash-attn is not installed")
+    if attention_module._flash_refusal(2):
+        pytest.skip(
+            f"flash-attn {FlashAttentionUtils.version}: {attention_module._flash_refusal(2)}"
+        )
+    monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+
+
+def _eager_used_flash() -> bool:
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as dpa_module,
+    )
+
+    return bool(dpa_module._attention_backends["use_flash_attention"])
+
+
+FLASH_CASES = {
+    **CASES,
+    "sliding_window": (dict(attn_mask_type="causal", window_size=(32, 0)), [sbhd()] * 3),
+    "softcap": (dict(attn_mask_type="causal", softcap=30.0), [sbhd()] * 3),
+    # MLA head sizes: TE pads v to 64 for flash-attn 2 and trims the output.
+    "mla": (
+        dict(attn_mask_type="causal", kv_channels=(D, D // 2)),
+        [sbhd(), sbhd(), (S, B, H, D // 2)],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FLASH_CASES))
+def test_flash_matches_eager(case, flash):
+    kwargs, shapes = FLASH_CASES[case]
+    kwargs = dict(kwargs)
+    channels = kwargs.pop("kv_channels", D)
+
+    def make():
+        return te.DotProductAttention(H, channels, **kwargs)
+
+    want = run(make, shapes, False)
+    assert _eager_used_flash(), "eager TE did not pick FlashAttention"
+    assert_same(run(make, shapes, True), want)
+
+
+def test_flash_padding_mask_matches_eager(flash):
+    """Padding mask: TE packs tokens and calls flash-attn's varlen kernel."""
+    mask = cases.padding_mask(S, B, pad=17)
+
+    def make():
+        dpa = te.DotProductAttention(H, D, attn_mask_type="padding_causal")
+        return lambda q, k, v: dpa(q, k, v, attention_mask=mask)
+
+    shapes = [sbhd()] * 3
+    want = run(make, shapes, False)
+    assert _eager_used_flash()
+    assert_same(run(make, shapes, True), want)
+
+
+def test_flash_packed_sbh3d_matches_eager(flash):
+    """qkv_layer sbh3d with 128-channel heads and s*b >= 512: TE's fa_prepare ops."""
+
+    def make():
+        dpa = te.DotProductAttention(4, 128, attn_mask_type="causal")
+        return lambda qkv: dpa(qkv_layer=qkv, qkv_interleave_dim=-2)
+
+    shapes = [(S, 4, 4, 3, 128)]
+    want = run(make, shapes, False)
+    assert _eager_used_flash()
+    assert_same(run(make, shapes, True), want)
+
+
+def test_flash_dropout_is_eagers(flash):
+    """flash-attn draws its dropout Philox state from the default CUDA generator at run time:
+    under one seed compiled == eager step by step, and a new mask every step."""
+
+    def make():
+        return te.DotProductAttention(H, D, attention_dropout=0.2, attn_mask_type="causal")
+
+    shapes = [sbhd()] * 3
+    got = run(make, shapes, True, steps=3, seed=7)
+    want = run(make, shapes, False, steps=3, seed=7)
+    assert _eager_used_flash()
+    assert_same(got, want)
+    assert not torch.equal(got[0]["out"], got[1]["out"])
+
+
+def test_flash_multihead_attention_matches_eager(flash):
+    """te.MultiheadAttention (fused QKV, 128-channel heads) on FlashAttention."""
+    hidden = 4 * 128
+
+    def make():
+        torch.manual_seed(5)
+        mha = te.MultiheadAttention(
+            hidden, 4, params_dtype=BF16, attn_mask_type="causal", fuse_qkv_params=True
+        )
+        return mha
+
+    shapes = [(S, 4, hidden)]
+    want = run(make, shapes, False)
+    assert _eager_used_flash()
+    assert_same(run(make, shapes, True), want)
 
 
 def test_unfused_backend_close_to_eager(patched, monkeypatch):
