@@ -1,6 +1,8 @@
-"""2-GPU suite: examples/distributed_gpt.py under torchrun (DDP and FSDP2 x DelayedScaling with
-amax reduction and Float8CurrentScaling, compiled vs eager; DelayedScaling state across ranks;
-checkpoint resume), then its checks read back from the JSON it writes. Skips without 2 CUDA GPUs. Run: `python3 -m pytest tests/gpu -k distributed`.
+"""2-GPU suite: examples/distributed_gpt.py under torchrun (DDP, FSDP2 compiled per block and
+FSDP2 with the whole model compiled x DelayedScaling with amax reduction, Float8CurrentScaling
+and Float8BlockScaling, compiled vs eager; DelayedScaling state across ranks; checkpoint
+resume), then its checks read back from the JSON it writes. Skips without 2 CUDA GPUs.
+Run: `python3 -m pytest tests/gpu -k distributed`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import torch
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
-CASES = ["ddp/delayed", "ddp/current", "fsdp2/delayed", "fsdp2/current"]
+CASES = ["ddp/delayed", "ddp/current", "ddp/block", "fsdp2/delayed", "fsdp2/current"]
+CASES += ["fsdp2/block", "fsdp2-whole/delayed", "fsdp2-whole/current"]
 LOSS_BOUND = 0.25  # max |compiled - eager| over 50 steps (inductor's fusion, amplified)
 
 
@@ -28,6 +31,7 @@ def run(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "distributed_gpt.py"), "--out", str(out), "--resume"]
+    cmd += ["--cases", ",".join(CASES)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     path = out / "distributed-gpt.json"
