@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformer_engine.pytorch as te
+from torch.distributed.checkpoint.api import CheckpointException
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
 
@@ -188,10 +189,29 @@ def check_state(steps: int) -> dict:
     return report
 
 
+def _extra_states_as_bytes(model_sd: dict, placeholder: bool = False) -> dict:
+    """TE keeps a module's FP8 metadata (DelayedScaling amax history and scale) in its
+    `_extra_state`: a uint8 tensor of pickled bytes whose length varies with what it holds
+    (and is 0 before the first FP8 forward). DCP loads tensors in place at their saved size,
+    so that tensor cannot round-trip; as a bytes object DCP saves it whole and loads it back
+    whole. `placeholder`: the load side (any non-tensor value marks the entry as bytes)."""
+    for key, value in model_sd.items():
+        if key.endswith("_extra_state") and isinstance(value, torch.Tensor):
+            model_sd[key] = b"" if placeholder else value.cpu().numpy().tobytes()
+    return model_sd
+
+
+def _extra_states_as_tensors(model_sd: dict) -> dict:
+    for key, value in model_sd.items():
+        if key.endswith("_extra_state") and isinstance(value, bytes):
+            model_sd[key] = torch.tensor(list(value), dtype=torch.uint8)
+    return model_sd
+
+
 def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
     """Compiled `wrapper` + DelayedScaling over `data`: uninterrupted (saving a checkpoint after
-    step `at`), or resumed from that checkpoint. Returns (losses of steps at.., final fp8
-    state)."""
+    step `at`), or resumed from that checkpoint before its first step. Returns (losses of steps
+    at.., final fp8 state)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -201,14 +221,12 @@ def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
     gpt, step = build(wrapper, RECIPES["delayed"](), True)
     opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     if resume:
-        # A fresh TE module's extra state (its fp8_meta) is empty until its first FP8 forward,
-        # and DCP loads in place into tensors of the saved size: one forward (no grad) first.
-        with torch.no_grad():
-            step(*data[0])
+        # AdamW's state must exist to be loaded into: get_state_dict initialises it.
         model_sd, optim_sd = get_state_dict(gpt, opt)
-        state = {"model": model_sd, "optim": optim_sd}
+        state = {"model": _extra_states_as_bytes(model_sd, placeholder=True), "optim": optim_sd}
         dcp.load(state, checkpoint_id=folder)
-        set_state_dict(gpt, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        model_sd = _extra_states_as_tensors(state["model"])
+        set_state_dict(gpt, opt, model_state_dict=model_sd, optim_state_dict=state["optim"])
     losses = []
     for i, (tokens, targets) in enumerate(data):
         if resume and i < at:
@@ -221,7 +239,8 @@ def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
             losses.append(loss.item())
         if not resume and i + 1 == at:
             model_sd, optim_sd = get_state_dict(gpt, opt)
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+            state = {"model": _extra_states_as_bytes(model_sd), "optim": optim_sd}
+            dcp.save(state, checkpoint_id=folder)
     return losses, fp8_state(gpt)
 
 
@@ -258,6 +277,9 @@ def main() -> int:
     args = p.parse_args()
     if args.resume:  # bit-exact resume needs TE's deterministic attention backward
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
+        # TE loads DelayedScaling metadata (a pickle in its extra state) only when allowed:
+        # the checkpoint here is the one this run wrote.
+        os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -265,6 +287,13 @@ def main() -> int:
     data = M.synthetic_batches(256, BATCH, SEQ, args.steps, seed=1 + rank)
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
     results["torch"] = torch.__version__
+
+    def save(results: dict) -> None:  # after every case: a run cut short keeps what it has
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "distributed-gpt.json"), "w") as f:
+                json.dump(results, f, indent=1)
+
     for case in args.cases.split(",") if args.cases else []:
         wrapper, recipe_name = case.split("/")
         try:
@@ -286,20 +315,20 @@ def main() -> int:
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
             if rank == 0:
                 print(f"{case:16s} ERROR {type(exc).__name__}: {str(exc)[:400]}", flush=True)
+        save(results)
     checks = {} if args.no_state else {"delayed_state": lambda: check_state(min(args.steps, 10))}
     if args.resume:
         checks["resume"] = lambda: check_resume(data[:10])
     for name, check in checks.items():
         try:
             results[name] = check()
-        except Exception as exc:  # noqa: BLE001
+        # DCP's CheckpointException is a BaseException.
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
         if rank == 0:
             print(f"{name}:", str(results[name])[:1500], flush=True)
+        save(results)
     if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "distributed-gpt.json"), "w") as f:
-            json.dump(results, f, indent=1)
         plot(results, args.out)
     dist.destroy_process_group()
     failed = any(isinstance(v, dict) and "error" in v for v in results.values())
