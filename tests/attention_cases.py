@@ -44,6 +44,8 @@ class LayerCase:
 
 BASE = dict(hidden_dropout=0.0, attention_dropout=0.0)
 
+UNFUSED = {"NVTE_FUSED_ATTN": "0", "NVTE_FLASH_ATTN": "0"}
+
 LAYER_CASES = {
     "default": LayerCase(),
     "causal": LayerCase(dict(self_attn_mask_type="causal")),
@@ -103,12 +105,10 @@ LAYER_CASES = {
     ),
     "fp16": LayerCase(dtype=torch.float16),
     "fp32_unfused": LayerCase(dict(self_attn_mask_type="causal"), dtype=torch.float32),
-    "unfused_backend": LayerCase(dict(self_attn_mask_type="causal"), env={"NVTE_FUSED_ATTN": "0"}),
+    # TE's unfused backend: cuDNN attention off, and flash-attn too where it is installed.
+    "unfused_backend": LayerCase(dict(self_attn_mask_type="causal"), env=UNFUSED),
     "unfused_padding_rope": LayerCase(
-        dict(self_attn_mask_type="padding_causal"),
-        rope=True,
-        padding_mask=True,
-        env={"NVTE_FUSED_ATTN": "0"},
+        dict(self_attn_mask_type="padding_causal"), rope=True, padding_mask=True, env=UNFUSED
     ),
 }
 

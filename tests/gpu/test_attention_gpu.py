@@ -5,6 +5,10 @@ attention dropout drawn from the same Philox stream as eager (same seed -> same 
 mask every step); TE's backend choice when cuDNN attention is switched off; opcheck of the
 attention and RoPE ops on real kernels.
 
+FlashAttention (forced with NVTE_FUSED_ATTN=0) is tested where flash-attn >= 2.7 is installed
+and skipped elsewhere; on a GPU machine without it, scripts/flash_attn_test_build.sh brings a
+test build (bf16, head dims 64 and 128, which these tests use).
+
 Lean (each compile of one attention takes a few seconds). Run:
 `python3 -m pytest tests -m gpu -k attention`.
 """
