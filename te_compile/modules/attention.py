@@ -5,8 +5,7 @@ Not compiling: TE's own code, unchanged. While dynamo traces:
 - `DotProductAttention.forward` is swapped for `compiled_dpa_forward`: TE's argument handling
   (mask type, window, diagonal alignment, sequence lengths, packed `qkv_layer`/`kv_layer`),
   then the backend eager TE would pick, chosen at trace time by TE's own
-  `get_attention_backend` run on the same parameters (`select_backend`, an
-  `assume_constant_result` function: no device query is traced), then
+  `get_attention_backend` run on the same parameters (attention_backends.py), then
   - FusedAttention (cuDNN, TE's default on Hopper): one `te_compile::fused_attn_fwd` op,
   - UnfusedDotProductAttention (when forced, e.g. NVTE_FUSED_ATTN=0 without flash-attn):
     TE's own module, which TE 2.20 wrote traceable (its softmax kernels are TE custom ops),
@@ -32,6 +31,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
+from . import attention_backends as backends
 from . import gemm_common
 from . import linear as _linear  # DEVICE_TYPES: the devices every compiled path accepts
 
@@ -42,56 +42,6 @@ FORMATS = ("sbhd", "bshd")
 
 def _unsupported(name: str, option: str, fix: str = ""):
     return gemm_common.unsupported(name, option, fix)
-
-
-# ---- backend selection -------------------------------------------------------------------------
-
-
-@torch.compiler.assume_constant_result
-def select_backend(params: tuple) -> tuple:
-    """(use_flash, flash_version, flash_refusal, use_fused, fused_backend, use_unfused): TE's
-    get_attention_backend on AttentionParams(**dict(params)), run eagerly at trace time
-    (device capability, cuDNN version, flash-attn install and NVTE_* switches are read as
-    eager TE reads them). `params` holds plain values; "qkv_dtype" is a dtype's name.
-    `flash_refusal` is "" when the picked flash-attn traces into the graph, else why not."""
-    from transformer_engine.pytorch.attention.dot_product_attention import utils as dpa_utils
-
-    kwargs = dict(params)
-    kwargs["qkv_dtype"] = getattr(torch, kwargs["qkv_dtype"])
-    use_flash, flash_version, use_fused, fused_backend, use_unfused, _ = (
-        dpa_utils.get_attention_backend(dpa_utils.AttentionParams(**kwargs))
-    )
-    return (
-        bool(use_flash),
-        str(flash_version) if use_flash else "",
-        _flash_refusal(int(flash_version.major)) if use_flash else "",
-        bool(use_fused),
-        int(fused_backend) if use_fused else -1,
-        bool(use_unfused),
-    )
-
-
-_FLASH2_OPS = ("_flash_attn_forward", "_flash_attn_varlen_forward", "_flash_attn_backward")
-
-
-def _flash_refusal(major: int) -> str:
-    """Why flash-attn of this major version cannot run inside the graph ("" when it can).
-    FlashAttention 2 registers its kernels as torch custom ops (with fake kernels) from 2.7
-    on, so TE's FlashAttention module traces; before 2.7 they are pybind calls dynamo cannot
-    trace. TE runs FlashAttention 4 outside the graph (no custom ops), and FlashAttention 3
-    is not covered by te-compile's GPU tests."""
-    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
-        FlashAttentionUtils,
-    )
-
-    if major == 2:
-        ops_there = all(hasattr(torch.ops.flash_attn, name) for name in _FLASH2_OPS)
-        if FlashAttentionUtils.v2_7_0_plus and ops_there:
-            return ""
-        return "its kernels are torch custom ops only from flash-attn 2.7 on"
-    if major == 3:
-        return "FlashAttention 3 is not covered by te-compile's tests"
-    return "TE runs FlashAttention 4 outside torch.compile's graph"
 
 
 # ---- DotProductAttention -----------------------------------------------------------------------
@@ -248,58 +198,6 @@ def _padded(given, cu_seqlens, batch: int, mask_type: str):
     return cu_seqlens[: batch + 1] if "padding" in mask_type else None
 
 
-def _flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask_type, window, softcap):
-    """TE's own FlashAttention module with the arguments eager DotProductAttention passes it
-    (flash-attn >= 2.7 only: its kernels are custom ops with fake kernels, so dynamo traces
-    TE's layout changes, packing for padding masks and flash-attn's autograd.Functions)."""
-    from transformer_engine.pytorch import cpu_offload
-    from transformer_engine.pytorch.attention.dot_product_attention import (
-        dot_product_attention as dpa_module,
-    )
-    from transformer_engine.pytorch.attention.dot_product_attention.utils import (
-        FlashAttentionUtils,
-    )
-
-    if cpu_offload.is_cpu_offload_enabled():
-        raise _unsupported(DPA, "CPU activation offloading", "disable CPU offload")
-    cu_q, cu_kv, max_q, max_kv = seqlens
-    heads = int(q.shape[-2])
-    trim = None
-    if q.shape[-1] != v.shape[-1]:
-        # FlashAttention 2 takes one head size: eager TE pads q/k/v to the larger, trims after.
-        q, k, v, qk_dim, v_dim = dpa_module._pad_qkv_head_dim(q, k, v)
-        trim = (qk_dim, v_dim) if qk_dim > v_dim else None
-    out = m.flash_attention(
-        q,
-        k,
-        v,
-        attention_mask=call["attention_mask"],
-        qkv_layout=layout,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_kv,
-        attn_mask_type=mask_type,
-        window_size=window,
-        softcap=softcap,
-        alibi_slopes=None,
-        cp_group=None,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_kv,
-        fp8=False,
-        fp8_meta=m.fp8_meta,
-        quantizers=m.quantizers,
-        pad_between_seqs=bool(call["pad_between_seqs"]),
-        inference_params=None,
-        flash_attention_backend=FlashAttentionUtils.version,
-        fp8_output=False,
-        num_splits=int(call["num_splits"] or 1),
-        cu_seqlens_q_padded=call["cu_seqlens_q_padded"],
-        cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
-    )
-    if trim is not None:
-        out = dpa_module._trim_output(out, heads, *trim)
-    return out
-
-
 def compiled_dpa_forward(m, call: dict):
     """The traceable DotProductAttention.forward; `call` maps TE's parameter names to the
     arguments of this call."""
@@ -349,10 +247,12 @@ def compiled_dpa_forward(m, call: dict):
         ("num_splits", int(call["num_splits"] or 1)),
         ("softmax_scale", float(m.softmax_scale)),
     )
-    use_flash, flash_version, flash_refusal, use_fused, fused_backend, use_unfused = select_backend(
-        params
+    use_flash, flash_version, flash_refusal, use_fused, fused_backend, use_unfused = (
+        backends.select_backend(params)
     )
     if use_flash:
+        from transformer_engine.pytorch import cpu_offload
+
         if flash_refusal:
             raise _unsupported(
                 DPA,
@@ -361,8 +261,12 @@ def compiled_dpa_forward(m, call: dict):
                 "install flash-attn >= 2.7, or set NVTE_FLASH_ATTN=0 to let TE pick cuDNN fused "
                 "or unfused attention",
             )
+        if cpu_offload.is_cpu_offload_enabled():
+            raise _unsupported(DPA, "CPU activation offloading", "disable CPU offload")
         seqlens = (cu_q, cu_kv, max_q, max_kv)
-        return _flash_attention(m, call, q, k, v, layout, seqlens, mask_type, window, softcap)
+        return backends.flash_attention(
+            m, call, q, k, v, layout, seqlens, mask_type, window, softcap
+        )
     if use_fused:
         out, _, _ = torch.ops.te_compile.fused_attn_fwd(
             tensors,

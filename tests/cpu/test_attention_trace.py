@@ -13,7 +13,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
 import te_compile
-from te_compile.modules import attention as attention_module
+from te_compile.modules import attention_backends
 from te_compile_testing import JointRecorder
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
@@ -171,7 +171,7 @@ def test_backend_choice_is_tes(patched):
         ("bottom_right_diagonal", False),
     )
     with te_compile.simulate_gpu("hopper"):
-        ours = attention_module.select_backend(params)
+        ours = attention_backends.select_backend(params)
         kwargs = dict(params)
         kwargs["qkv_dtype"] = torch.bfloat16
         theirs = dpa_utils.get_attention_backend(dpa_utils.AttentionParams(**kwargs))

@@ -20,7 +20,7 @@ from transformer_engine.pytorch.attention.dot_product_attention import backends
 from transformer_engine.pytorch.attention.dot_product_attention.utils import FlashAttentionUtils
 
 import te_compile
-from te_compile.modules import attention as attention_module
+from te_compile.modules import attention_backends
 from te_compile_testing import JointRecorder
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
@@ -47,9 +47,11 @@ def _flash_fwd(
     raise NotImplementedError("a stand-in: traced only")
 
 
-@_flash_fwd.register_fake
-def _(q, k, v, *args):
+def _fake_out(q, k, v, *args):
     return q.new_empty(*q.shape[:-1], v.shape[-1])
+
+
+_flash_fwd.register_fake(_fake_out)
 
 
 @torch.library.custom_op("te_compile_test::flash_varlen_fwd", mutates_args=())
@@ -71,9 +73,7 @@ def _flash_varlen_fwd(
     raise NotImplementedError("a stand-in: traced only")
 
 
-@_flash_varlen_fwd.register_fake
-def _(q, k, v, *args):
-    return q.new_empty(*q.shape[:-1], v.shape[-1])
+_flash_varlen_fwd.register_fake(_fake_out)
 
 
 @torch.library.custom_op("te_compile_test::flash_bwd", mutates_args=())
@@ -151,7 +151,7 @@ def flash(patched, monkeypatch):
     pick = torch.compiler.assume_constant_result(
         lambda params: (True, "2.8.3", "", False, -1, False)
     )
-    monkeypatch.setattr(attention_module, "select_backend", pick)
+    monkeypatch.setattr(attention_backends, "select_backend", pick)
     monkeypatch.setattr(FlashAttentionUtils, "version", Version("2.8.3"))
     for flag in ("v2_plus", "v2_1_plus", "v2_3_plus", "v2_4_plus", "v2_4_1_plus", "v2_5_plus"):
         monkeypatch.setattr(FlashAttentionUtils, flag, True)
@@ -299,11 +299,11 @@ def _dpa_step():
 def test_untraceable_flash_is_named(version, why, patched, monkeypatch):
     """The refusal names the flash-attn version, why it cannot trace, and the way out."""
     major = int(version[0])
-    refusal = attention_module._flash_refusal(major)
+    refusal = attention_backends.flash_refusal(major)
     pick = torch.compiler.assume_constant_result(
         lambda params: (True, version, refusal, False, -1, False)
     )
-    monkeypatch.setattr(attention_module, "select_backend", pick)
+    monkeypatch.setattr(attention_backends, "select_backend", pick)
     message = f"FlashAttention backend with flash-attn {version} .*{why}.*NVTE_FLASH_ATTN=0"
     with pytest.raises(Exception, match=message):
         _dpa_step()
@@ -314,4 +314,4 @@ def test_flash2_needs_its_custom_ops(v2_7_0_plus, monkeypatch):
     """FlashAttention 2 traces only when its kernels are registered torch ops: before 2.7 they
     are not, and a >= 2.7 install without them (no torch.ops.flash_attn here) is refused too."""
     monkeypatch.setattr(FlashAttentionUtils, "v2_7_0_plus", v2_7_0_plus)
-    assert "2.7" in attention_module._flash_refusal(2)
+    assert "2.7" in attention_backends.flash_refusal(2)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 
-from te_compile.modules import attention as attention_module
+from te_compile.modules import attention_backends
 from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
@@ -151,7 +151,7 @@ def test_backend_when_cudnn_attention_is_off(patched, monkeypatch):
     dpa = te.DotProductAttention(H, D, attn_mask_type="causal")
     q, k, v = inputs([sbhd()] * 3)
     compiled = torch.compile(dpa, fullgraph=True)
-    if FlashAttentionUtils.is_installed and attention_module._flash_refusal(2):
+    if FlashAttentionUtils.is_installed and attention_backends.flash_refusal(2):
         with pytest.raises(Exception, match="FlashAttention backend"):
             compiled(q, k, v)
         return
@@ -173,20 +173,25 @@ def flash(patched, monkeypatch):
 
     if not FlashAttentionUtils.is_installed:
         pytest.skip("flash-attn is not installed")
-    if attention_module._flash_refusal(2):
-        pytest.skip(
-            f"flash-attn {FlashAttentionUtils.version}: {attention_module._flash_refusal(2)}"
-        )
+    refusal = attention_backends.flash_refusal(2)
+    if refusal:
+        pytest.skip(f"flash-attn {FlashAttentionUtils.version}: {refusal}")
     monkeypatch.setenv("NVTE_FUSED_ATTN", "0")
     monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
 
-def _eager_used_flash() -> bool:
+def assert_flash_matches_eager(make, shapes, **kwargs):
+    """Eager TE (which must have picked FlashAttention) first, then compiled: bit-identical.
+    Returns the compiled run's records."""
     from transformer_engine.pytorch.attention.dot_product_attention import (
         dot_product_attention as dpa_module,
     )
 
-    return bool(dpa_module._attention_backends["use_flash_attention"])
+    want = run(make, shapes, False, **kwargs)
+    assert dpa_module._attention_backends["use_flash_attention"], "eager TE did not pick flash"
+    got = run(make, shapes, True, **kwargs)
+    assert_same(got, want)
+    return got
 
 
 FLASH_CASES = {
@@ -210,9 +215,7 @@ def test_flash_matches_eager(case, flash):
     def make():
         return te.DotProductAttention(H, channels, **kwargs)
 
-    want = run(make, shapes, False)
-    assert _eager_used_flash(), "eager TE did not pick FlashAttention"
-    assert_same(run(make, shapes, True), want)
+    assert_flash_matches_eager(make, shapes)
 
 
 def test_flash_padding_mask_matches_eager(flash):
@@ -224,9 +227,7 @@ def test_flash_padding_mask_matches_eager(flash):
         return lambda q, k, v: dpa(q, k, v, attention_mask=mask)
 
     shapes = [sbhd()] * 3
-    want = run(make, shapes, False)
-    assert _eager_used_flash()
-    assert_same(run(make, shapes, True), want)
+    assert_flash_matches_eager(make, shapes)
 
 
 def test_flash_packed_sbh3d_matches_eager(flash):
@@ -237,9 +238,7 @@ def test_flash_packed_sbh3d_matches_eager(flash):
         return lambda qkv: dpa(qkv_layer=qkv, qkv_interleave_dim=-2)
 
     shapes = [(S, 4, 4, 3, 128)]
-    want = run(make, shapes, False)
-    assert _eager_used_flash()
-    assert_same(run(make, shapes, True), want)
+    assert_flash_matches_eager(make, shapes)
 
 
 def test_flash_dropout_is_eagers(flash):
@@ -250,10 +249,7 @@ def test_flash_dropout_is_eagers(flash):
         return te.DotProductAttention(H, D, attention_dropout=0.2, attn_mask_type="causal")
 
     shapes = [sbhd()] * 3
-    got = run(make, shapes, True, steps=3, seed=7)
-    want = run(make, shapes, False, steps=3, seed=7)
-    assert _eager_used_flash()
-    assert_same(got, want)
+    got = assert_flash_matches_eager(make, shapes, steps=3, seed=7)
     assert not torch.equal(got[0]["out"], got[1]["out"])
 
 
@@ -269,9 +265,7 @@ def test_flash_multihead_attention_matches_eager(flash):
         return mha
 
     shapes = [(S, 4, hidden)]
-    want = run(make, shapes, False)
-    assert _eager_used_flash()
-    assert_same(run(make, shapes, True), want)
+    assert_flash_matches_eager(make, shapes)
 
 
 def test_unfused_backend_close_to_eager(patched, monkeypatch):
