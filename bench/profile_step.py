@@ -6,7 +6,8 @@
 Per recipe and mode (eager TE, compiled default mode): the median CPU time to issue one step
 with the GPU idle at its start (synchronize, then time the Python call; the GPU work is not
 waited for), and a cProfile of 20 steps whose top functions by own time go to
-DIR/profile-<recipe>-<mode>.txt. A table comes last.
+DIR/profile-<recipe>-<mode>.txt (then by cumulative time), and torch.profiler's table of 10
+steps by own CPU time to DIR/torchprof-<recipe>-<mode>.txt. A table comes last.
 """
 
 from __future__ import annotations
@@ -74,9 +75,27 @@ def profile(step, path: str, n: int = 20) -> None:
     torch.cuda.synchronize()
     prof.disable()
     buf = io.StringIO()
-    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(30)
+    stats = pstats.Stats(prof, stream=buf)
+    stats.sort_stats("tottime").print_stats(40)
+    stats.sort_stats("cumulative").print_stats(60)
     with open(path, "w") as f:
         f.write(f"{n} steps\n" + buf.getvalue())
+
+
+def torch_profile(step, path: str, n: int = 10) -> None:
+    """torch.profiler's CPU view of `n` steps: which ops and runtime calls (kernel launches,
+    allocations) take the issue time, by own CPU time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as tprofile
+
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+    with open(path, "w") as f:
+        f.write(f"{n} steps\n{table}\n")
 
 
 def main() -> None:
@@ -103,6 +122,7 @@ def main() -> None:
                 step()
             ms = issue_ms(step)
             profile(step, os.path.join(args.out, f"profile-{name}-{mode}.txt"))
+            torch_profile(step, os.path.join(args.out, f"torchprof-{name}-{mode}.txt"))
             rows.append((name, mode, ms))
             print(f"{name:8} {mode:8} issue {ms:.3f} ms", flush=True)
     print(
