@@ -13,35 +13,22 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
 import sys
-import time
 import warnings
 
 import torch
 
 warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from op_overhead import per_call_us  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 
 from te_compile.modules.linear import _quant_config  # noqa: E402
 from te_compile.ops import core, registry  # noqa: E402
 from te_compile.ops.fp8_operands import _storage_classes  # noqa: E402
 from te_compile.recipes import QuantConfig  # noqa: E402
-
-
-def per_call_us(fn, n=400, chunk=20) -> float:
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(n // chunk):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(chunk):
-            fn()
-        times.append((time.perf_counter() - t0) / chunk * 1e6)
-    return statistics.median(times)
 
 
 def _noop_impl(x):

@@ -32,19 +32,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import transformer_engine.pytorch as te  # noqa: E402
+from profile_step import RECIPES  # noqa: E402
 from stacks import build  # noqa: E402
-from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
 import te_compile  # noqa: E402
 from te_compile.ops import core, gemm_layer  # noqa: E402
-
-RECIPES = {
-    "bf16": lambda: None,
-    "current": R.Float8CurrentScaling,
-    "block": R.Float8BlockScaling,
-    "delayed": R.DelayedScaling,
-}
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 
