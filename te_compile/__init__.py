@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .graph_capture import capture
+from .modules.checkpointing import checkpoint, checkpoint_policy, gemm_forward_ops
 from .patching import Patcher
 from .simulate import simulate_gpu
 from .tf32 import configure_tf32
@@ -62,6 +63,9 @@ __all__ = [
     "check",
     "configure_tf32",
     "capture",
+    "checkpoint",
+    "checkpoint_policy",
+    "gemm_forward_ops",
     "check_versions",
     "supported_range",
     "TECompileError",

@@ -155,11 +155,17 @@ def build_without_gpu(make, device: str) -> torch.nn.Module:
 class JointRecorder:
     """AOTAutograd with forward and backward compilers that keep their graphs and run them."""
 
-    def __init__(self):
+    def __init__(self, partition: str = "default"):
         from functorch.compile import make_boxed_func
         from torch._dynamo.backends.common import aot_autograd
 
         self.fw, self.bw = [], []
+        # "min_cut": inductor's partitioner (its recompute choices under checkpointing differ)
+        kwargs = {}
+        if partition == "min_cut":
+            from functorch.compile import min_cut_rematerialization_partition
+
+            kwargs["partition_fn"] = min_cut_rematerialization_partition
 
         def keep(graphs):
             def compiler(gm, example_inputs):
@@ -168,7 +174,9 @@ class JointRecorder:
 
             return compiler
 
-        self.backend = aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw))
+        self.backend = aot_autograd(
+            fw_compiler=keep(self.fw), bw_compiler=keep(self.bw), **kwargs
+        )
 
     @staticmethod
     def targets(graphs) -> list[str]:

@@ -7,7 +7,7 @@ from ..patching import Swap
 
 
 def swaps() -> list[Swap]:
-    from . import attention, layernorm, layernorm_linear, layernorm_mlp, linear
+    from . import attention, checkpointing, layernorm, layernorm_linear, layernorm_mlp, linear
 
     return (
         linear.swaps()
@@ -15,4 +15,5 @@ def swaps() -> list[Swap]:
         + layernorm_linear.swaps()
         + layernorm_mlp.swaps()
         + attention.swaps()
+        + checkpointing.swaps()
     )

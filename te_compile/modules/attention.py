@@ -20,7 +20,7 @@ Not compiling: TE's own code, unchanged. While dynamo traces:
   te_compile compiled paths).
 
 Refused by name (UnsupportedUnderCompileError): FP8 attention (recipe fp8_dpa / fp8_mha),
-context parallelism, KV caching (inference_params), checkpoint_core_attention, THD format and
+context parallelism, KV caching (inference_params), THD format and
 THD policies, attention bias and ALiBi, non-vanilla softmax, return_max_logit, score_mod,
 attention dropout under a CUDA RNG states tracker, and flash-attn < 2.7, FlashAttention 3 / 4.
 """
@@ -32,7 +32,7 @@ import torch
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
 from . import attention_backends as backends
-from . import gemm_common
+from . import checkpointing, gemm_common
 from . import linear as _linear  # DEVICE_TYPES: the devices every compiled path accepts
 
 DPA = "te.DotProductAttention"
@@ -63,12 +63,6 @@ def _check_dpa_options(m, call: dict) -> None:
         raise _unsupported(DPA, "context parallelism (cp_group)", "leave cp_group unset")
     if call["inference_params"] is not None:
         raise _unsupported(DPA, "KV caching (inference_params)", "run inference eagerly")
-    if call["checkpoint_core_attention"]:
-        raise _unsupported(
-            DPA,
-            "checkpoint_core_attention=True",
-            "pass checkpoint_core_attention=False (or checkpoint the whole layer)",
-        )
     if call["thd_attention_policies"] is not None:
         raise _unsupported(DPA, "thd_attention_policies", "use qkv_format sbhd or bshd")
     if call["core_attention_bias_type"] != "no_bias" or call["alibi_slopes"] is not None:
@@ -200,7 +194,11 @@ def _padded(given, cu_seqlens, batch: int, mask_type: str):
 
 def compiled_dpa_forward(m, call: dict):
     """The traceable DotProductAttention.forward; `call` maps TE's parameter names to the
-    arguments of this call."""
+    arguments of this call. checkpoint_core_attention: the attention recomputed in backward,
+    as eager TE's te.distributed.checkpoint around its core attention."""
+    if call["checkpoint_core_attention"] and torch.is_grad_enabled():
+        inner = dict(call, checkpoint_core_attention=False)
+        return checkpointing.checkpoint(compiled_dpa_forward, m, inner)
     _check_dpa_options(m, call)
     qkv_format = call["qkv_format"] or m.qkv_format
     if qkv_format not in FORMATS:

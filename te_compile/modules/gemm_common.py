@@ -253,11 +253,9 @@ def check_fp8_dims(**tensors: torch.Tensor) -> None:
 # ---- persistent state --------------------------------------------------------------------------
 
 
-def delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list]:
+def delayed_state(m, recipe) -> tuple[list, list]:
     """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py):
     ([fwd scale, fwd amax_history[0]], [bwd scale, bwd amax_history])."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
-
     fields = DelayedFields.values_of(recipe)
     persistent_state.ensure_delayed_states(fields)
     if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
@@ -265,21 +263,30 @@ def delayed_state(m, recipe, grad_needed: bool) -> tuple[list, list]:
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
     # backward update of every registered state; each compiled module updates its own state at
-    # the end of its backward instead. The flag is still consumed, as TE does.
-    if grad_needed:
-        state.is_first_fp8_module()
+    # the end of its backward instead, so it never claims TE's `is_first_fp8_module` flag: a
+    # Python write inside traced code is a side effect torch.utils.checkpoint refuses.
     return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
 
 
-def fp8_module_state(m, recipe, cfg: QuantConfig, grad_needed: bool) -> tuple[list, list]:
-    """(fwd_state, bwd_state) for the ops: DelayedScaling's state, else empty lists (the
-    first-module flag consumed as eager TE consumes it)."""
-    if cfg.kind == "delayed":
-        return delayed_state(m, recipe, grad_needed)
-    if cfg.fp8 and grad_needed:
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
+def forward_op_state(fwd_state: list) -> list:
+    """What a forward GEMM op reads of DelayedScaling's forward state: a snapshot of the
+    scales (see ops/delayed_scaling.scale_snapshot), never the history it updates."""
+    if not fwd_state:
+        return []
+    return [torch.ops.te_compile.scale_snapshot(fwd_state[0])]
 
-        state.is_first_fp8_module()
+
+def merge_forward_amaxes(fwd_state: list, amaxes: torch.Tensor) -> None:
+    """Max-merge the amaxes a forward op recorded into TE's history (row 0), where a cached
+    weight's amax may already be (quantize_weight writes it there)."""
+    if fwd_state:
+        fwd_state[1].copy_(torch.maximum(fwd_state[1], amaxes))
+
+
+def fp8_module_state(m, recipe, cfg: QuantConfig) -> tuple[list, list]:
+    """(fwd_state, bwd_state) for the ops: DelayedScaling's state, else empty lists."""
+    if cfg.kind == "delayed":
+        return delayed_state(m, recipe)
     return [], []
 
 

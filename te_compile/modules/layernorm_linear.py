@@ -84,10 +84,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     needs_norm_grads = inp.requires_grad or any(p.requires_grad for p in norm_params)
     save_input = grad and weight.requires_grad
     save_weight = grad and needs_norm_grads
-    grad_needed = grad and (
-        needs_norm_grads or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg, grad_needed)
+    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
     weight_cache = []
     if fp8 and is_first_microbatch is not None:
         refresh = bool(is_first_microbatch)
@@ -102,7 +99,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         ln_bias,
         weight,
         fused_bias,
-        fwd_state,
+        gemm_common.forward_op_state(fwd_state),
         bwd_state,
         weight_cache,
         main_grad,
@@ -119,8 +116,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         accumulate,
     )
     out = outputs[0].view(-1, *inp_shape[1:-1], outputs[0].shape[-1])
-    if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)
-        fwd_state[1].copy_(outputs[-1])
+    gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     if self.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
         out = out + bias.to(act_dtype)
     ln_out = None

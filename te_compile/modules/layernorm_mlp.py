@@ -8,7 +8,8 @@ the module's configuration as trace-time constants, refuses what it does not imp
 
 Supported: LayerNorm and RMSNorm, every activation of TE's table (ops/activation.py) with
 activation_params, bias on/off, return_bias, return_layernorm_output, zero_centered_gamma,
-set_parallel_mode without TP, fuse_wgrad_accumulation, is_first_microbatch, and the recipes of
+set_parallel_mode without TP, fuse_wgrad_accumulation, is_first_microbatch, checkpoint=True
+(te_compile.checkpoint around the forward), and the recipes of
 te.Linear (none, Float8CurrentScaling, Float8BlockScaling, DelayedScaling, MXFP8BlockScaling,
 NVFP4BlockScaling). DelayedScaling state is TE's own fp8_meta with two GEMMs.
 """
@@ -22,7 +23,7 @@ from ..ops import activation
 from ..ops.layernorm_mlp import MLPConfig
 from ..patching import Swap
 from ..recipes import QuantConfig
-from . import gemm_common, persistent_state
+from . import checkpointing, gemm_common, persistent_state
 
 NAME = "te.LayerNormMLP"
 
@@ -44,11 +45,6 @@ def _check_mlp_options(m, cfg: QuantConfig) -> None:
     """The LayerNormMLP options beyond the shared ones (gemm_common) this path refuses."""
     if m.activation not in activation.ACTIVATIONS:
         raise NotImplementedError("Activation type " + m.activation + " is not supported!")
-    if m.checkpoint:
-        raise _unsupported(
-            "checkpoint=True (recomputing FC1 and the activation in backward)",
-            "use checkpoint=False (or torch.utils.checkpoint around the module)",
-        )
     if m.return_layernorm_output_gathered:
         raise _unsupported(
             "return_layernorm_output_gathered=True (a sequence-parallel option)",
@@ -117,8 +113,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     save_fc1_input = grad and w1.requires_grad
     save_fc1_out = grad and (save_norm or w1.requires_grad or _requires_grad(b1))
     save_fc2_input = grad and w2.requires_grad
-    grad_needed = save_fc1_out or save_fc2_input or (grad and _requires_grad(b2_fused))
-    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg, grad_needed)
+    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
 
     fc1_cache, fc2_cache = [], []
     if fp8 and is_first_microbatch is not None:
@@ -157,7 +152,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         b1,
         w2,
         b2_fused,
-        fwd_state,
+        gemm_common.forward_op_state(fwd_state),
         bwd_state,
         fc1_cache,
         fc2_cache,
@@ -172,8 +167,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         save_fc2_input,
         accumulate,
     )
-    if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)
-        fwd_state[1].copy_(outputs[-1])
+    gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     out = outputs[0]
     ln_out = outputs[1] if self.return_layernorm_output else None
     if self.gemm_bias_unfused_add:  # set_parallel_mode: TE adds the bias after the GEMM
@@ -188,10 +182,23 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     return out
 
 
+def _checkpointed_forward(self, inp, is_first_microbatch):
+    """checkpoint=True: the module's forward recomputed in backward (FC2 included, which eager
+    TE skips; the values are the same), through te_compile.checkpoint's FP8-aware policy."""
+    if is_first_microbatch is not None and gemm_common.autocast_recipe(NAME)[0]:
+        raise _unsupported(
+            "checkpoint=True with is_first_microbatch (FP8 weight caching inside a recompute)",
+            "pass is_first_microbatch=None, or use checkpoint=False",
+        )
+    return checkpointing.checkpoint(compiled_forward, self, inp)
+
+
 def make_forward(original):
     def forward(self, inp, is_first_microbatch=None):
         if not torch.compiler.is_compiling():
             return original(self, inp, is_first_microbatch)
+        if self.checkpoint and torch.is_grad_enabled():
+            return _checkpointed_forward(self, inp, is_first_microbatch)
         return compiled_forward(self, inp, is_first_microbatch)
 
     forward.__doc__ = original.__doc__

@@ -96,10 +96,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     # What backward reads, decided as eager TE decides it (from requires_grad at forward).
     save_input = grad and weight.requires_grad
     save_weight = grad and inp.requires_grad
-    grad_needed = grad and (
-        inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg, grad_needed)
+    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
     weight_cache = []
     if fp8 and is_first_microbatch is not None:
         refresh = bool(is_first_microbatch)
@@ -111,7 +108,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         inp,
         weight,
         fused_bias,
-        fwd_state,
+        gemm_common.forward_op_state(fwd_state),
         bwd_state,
         weight_cache,
         main_grad,
@@ -122,8 +119,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         accumulate,
     )
     out = outputs[0]
-    if fwd_state:  # the forward amaxes the quantizers recorded, into TE's history (row 0)
-        fwd_state[1].copy_(outputs[-1])
+    gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     if self.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
         out = out + bias.to(act_dtype)
     if self.return_bias:

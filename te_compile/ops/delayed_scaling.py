@@ -73,3 +73,18 @@ AMAX_AND_SCALE_UPDATE = registry.define(
     update_amax_and_scale,  # the op runs the function above
     lambda *args, **kwargs: None,
 )
+
+
+def scale_snapshot(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of a module's forward scales, taken where its forward reads them. The ops quantize
+    with the copy, so a recomputed forward (activation checkpointing) quantizes as the original
+    did once a checkpoint policy saves it (te_compile.checkpoint_policy); the autocast exit
+    updates the scales themselves before backward runs."""
+    return scale.clone()
+
+
+SCALE_SNAPSHOT = registry.define(
+    "scale_snapshot(Tensor scale) -> Tensor",
+    scale_snapshot,
+    lambda scale: torch.empty_like(scale),
+)

@@ -45,6 +45,16 @@ def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
+def fresh_amax_state(fwd_state: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """DelayedScaling's [scale, amax accumulator] for a forward op given `fwd_state` = [scale]:
+    the quantizers max-accumulate this call's amaxes into zeros (amaxes are >= 0), and the
+    caller merges them into TE's history. The op never reads the history, so a recompute of it
+    (activation checkpointing) needs no tensor that the step later mutates."""
+    if not fwd_state:
+        return None
+    return [fwd_state[0], torch.zeros_like(fwd_state[0])]
+
+
 def is_quantized(t) -> bool:
     """A TE storage (internal quantizers return bare storages, not torch.Tensors)."""
     return not isinstance(t, torch.Tensor)

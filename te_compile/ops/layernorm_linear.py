@@ -54,10 +54,10 @@ def layernorm_linear_fwd(
     return_ln_out,
     accumulate,
 ):
-    """norm(inp) @ weight.T + bias. DelayedScaling: `fwd_state` = [scale, latest amaxes]; the
-    amaxes are max-accumulated into a copy returned last (see linear.linear_fwd)."""
+    """norm(inp) @ weight.T + bias. DelayedScaling: `fwd_state` = [scale]; this call's amaxes
+    are returned last (see linear.linear_fwd)."""
     cfg = QuantConfig.from_key(config)
-    state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
+    state = gemm_layer.fresh_amax_state(fwd_state)
     x, ln_out, mu, rsigma = norm_for_gemm(
         inp,
         ln_weight,
@@ -126,7 +126,7 @@ def _fwd_fake(
         weight_cache=weight_cache,
         like=inp,
     )
-    amax = [torch.empty_like(fwd_state[1])] if fwd_state else []
+    amax = [torch.empty_like(fwd_state[0])] if fwd_state else []
     return [out, mu, rsigma, *kept, *saved, *amax]
 
 

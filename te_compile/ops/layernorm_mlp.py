@@ -159,15 +159,15 @@ def layernorm_mlp_fwd(
     accumulate: bool,
 ) -> list[torch.Tensor]:
     """LayerNormMLP's forward (see the module docstring). DelayedScaling: `fwd_state` =
-    [scale, latest amaxes] of the six forward slots; the amaxes are max-accumulated into a copy,
-    returned last for the caller to write back. `bwd_state`, the main grads and `accumulate`
+    [scale] of the six forward slots; this call's amaxes are returned last for the caller to
+    max-merge into TE's history. `bwd_state`, the main grads and `accumulate`
     ride along to the backward op."""
     cfg, m = QuantConfig.from_key(config), MLPConfig.from_key(mlp)
     dev = inp.device.index
     hidden = ln_weight.numel()
     x = gemm_layer.cast(inp.reshape(-1, hidden), out_dtype)
     gamma, beta = gemm_layer.cast(ln_weight, out_dtype), gemm_layer.cast(ln_bias, out_dtype)
-    state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
+    state = gemm_layer.fresh_amax_state(fwd_state)
 
     # Norm, with FC1's input quantization fused in unless its high-precision output is returned.
     ln_out, ln_out_hp, mu, rsigma = norm.norm_for_gemm(
@@ -315,7 +315,7 @@ def _layernorm_mlp_fwd_fake(
     outputs = [empty([*inp.shape[:-1], fc2_weight.shape[0]])]
     if m.return_ln:
         outputs.append(empty(list(inp.shape)))
-    return outputs + saved + ([torch.empty_like(fwd_state[1])] if fwd_state else [])
+    return outputs + saved + ([torch.empty_like(fwd_state[0])] if fwd_state else [])
 
 
 # ---- backward ----------------------------------------------------------------------------------

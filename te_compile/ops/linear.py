@@ -51,13 +51,12 @@ def linear_fwd(
 ) -> list[torch.Tensor]:
     """y = inp @ weight.T + bias, with FP8 operands when the config's kind is not "none".
 
-    DelayedScaling only: `fwd_state` = [scale, latest amaxes] (TE's `scale` and
-    `amax_history[0]` of the forward slots); the op quantizes with those scales, max-accumulates
-    into a copy of the amaxes and returns it last, for the caller to write back into the
-    history. `bwd_state` = [scale, amax_history] of the backward slots and `main_grad` (with
+    DelayedScaling only: `fwd_state` = [scale] (a snapshot of TE's `scale` of the forward
+    slots); the op quantizes with those scales and returns this call's amaxes last, for the
+    caller to max-merge into TE's history (row 0). `bwd_state` = [scale, amax_history] of the backward slots and `main_grad` (with
     `accumulate`, see linear_bwd) are unused here: they ride along to the backward op."""
     cfg = QuantConfig.from_key(config)
-    state = [fwd_state[0], fwd_state[1].clone()] if fwd_state else None
+    state = gemm_layer.fresh_amax_state(fwd_state)
     out, saved = gemm_layer.forward(
         inp,
         weight,
@@ -100,7 +99,7 @@ def _linear_fwd_fake(
         like=inp,
     )
     if fwd_state:
-        saved.append(torch.empty_like(fwd_state[1]))
+        saved.append(torch.empty_like(fwd_state[0]))
     return [out, *saved]
 
 

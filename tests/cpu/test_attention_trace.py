@@ -234,7 +234,6 @@ def _dpa_call(dpa_kwargs=None, call=None, recipe=None, fmt="sbhd"):
 REFUSALS = {
     "fp8_dpa": (dict(recipe=R.DelayedScaling(fp8_dpa=True)), "FP8 attention"),
     "fp8_mha": (dict(recipe=R.Float8CurrentScaling(fp8_mha=True)), "FP8 attention"),
-    "checkpoint": (dict(call={"checkpoint_core_attention": True}), "checkpoint_core_attention"),
     "bias": (
         dict(call={"core_attention_bias_type": "post_scale_bias"}),
         "core_attention_bias_type",

@@ -321,7 +321,6 @@ def _compile_call(mlp, recipe, x, **call_kwargs):
 
 
 REFUSED = {
-    "checkpoint": (dict(checkpoint=True), None, "checkpoint=True"),
     "gathered": (
         dict(return_layernorm_output_gathered=True),
         None,
