@@ -21,7 +21,11 @@ about the device of every CUDA tensor it differentiates, fake or not (torch's
 `hasPrimaryContext` check), so a backward trace on fake CUDA tensors needs a GPU. Meta tensors
 carry the same shapes, dtypes and strides; only `tensor.device` reads "meta".
 
-Everything is restored on exit. Public torch APIs only (`torch.overrides.TorchFunctionMode`).
+Everything is restored on exit. The simulation itself uses public torch APIs
+(`torch.overrides.TorchFunctionMode`); two shims for compiled code on meta tensors reach into
+torch internals, lazily and only while simulating: AOTAutograd's RNG-replay wrappers (a
+checkpointed random op, recomputed in backward) and inductor's check that refuses to decompose
+a mutating custom op whose inputs are meta tensors.
 Nothing runs: eager TE kernels called on meta tensors fail, as they would without a GPU.
 """
 
@@ -222,6 +226,85 @@ def _simulated_fused_attn_backend(**config):
     return -1, f"simulated cuDNN: qkv dtype {dtype} not supported"
 
 
+@contextlib.contextmanager
+def _rng_replay_on_meta():
+    """Activation checkpointing recomputes a random op (TE's fused attention) in backward
+    inside AOTAutograd's RNG-replay wrappers, whose kernels exist for real devices only. On
+    meta tensors nothing random runs: the wrapped op is called as is. (torch internals, looked
+    up lazily; without them checkpointed attention does not trace here, nothing else changes.)"""
+    try:
+        from torch._C import DispatchKey
+        from torch._prims import rng_prims
+    except ImportError:
+        yield
+        return
+
+    def save_meta(select):
+        def run_and_save(op, *args, **kwargs):
+            if _meta_args(args, kwargs):
+                return torch.get_rng_state(), op(*args, **kwargs)
+            return select(op, *args, **kwargs)
+
+        return run_and_save
+
+    def replay_meta(select):
+        def run_with(rng_state, op, *args, **kwargs):
+            if _meta_args(args, kwargs):
+                return op(*args, **kwargs)
+            return select(rng_state, op, *args, **kwargs)
+
+        return run_with
+
+    wrappers = (
+        (rng_prims.run_and_save_rng_state, save_meta),
+        (rng_prims.run_with_rng_state, replay_meta),
+    )
+    saved = [(hop, hop.py_kernels.get(DispatchKey.BackendSelect)) for hop, _ in wrappers]
+    try:
+        for (hop, wrap), (_, select) in zip(wrappers, saved, strict=True):
+            if select is not None:
+                hop.py_kernels[DispatchKey.BackendSelect] = wrap(select)
+                hop._dispatch_cache.clear()
+        yield
+    finally:
+        for hop, select in saved:
+            if select is not None:
+                hop.py_kernels[DispatchKey.BackendSelect] = select
+                hop._dispatch_cache.clear()
+
+
+@contextlib.contextmanager
+def _inductor_decomposes_meta_mutations():
+    """Inductor leaves a node whose inputs it cannot codegen (meta tensors among them) to a
+    fallback, and a mutating custom op's `auto_functionalized_v2` node must be decomposed
+    before lowering ("auto_functionalized_v2 was not removed"). On a GPU those inputs are CUDA
+    tensors; on the simulation's meta tensors the decomposition is allowed too, so
+    torch.compile's default backend traces what it would trace on the GPU. (torch internals,
+    looked up lazily; without them nothing changes.)"""
+    try:
+        from torch._inductor import lowering
+    except ImportError:
+        yield
+        return
+    original = lowering.unsupported_input_tensor
+
+    def unsupported_input_tensor(t, node=None):
+        if t.is_meta and node is not None and "auto_functionalized" in str(node.target):
+            return False
+        return original(t, node)
+
+    lowering.unsupported_input_tensor = unsupported_input_tensor
+    try:
+        yield
+    finally:
+        lowering.unsupported_input_tensor = original
+
+
+def _meta_args(args, kwargs) -> bool:
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
+
+
 _ACTIVE: list[SimulatedGPU] = []
 
 
@@ -289,8 +372,9 @@ def simulate_gpu(arch: str = "hopper"):
         cache.cache_clear()
     _ACTIVE.append(gpu)
     try:
-        with _attributes(assignments), _CudaToMeta():
-            yield gpu
+        with _attributes(assignments), _rng_replay_on_meta():
+            with _inductor_decomposes_meta_mutations(), _CudaToMeta():
+                yield gpu
     finally:
         _ACTIVE.pop()
         for cache in caches:
