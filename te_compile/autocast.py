@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import ops
+from .aliases import swaps as alias_swaps
 from .errors import RecipeNotSupportedError, UnsupportedUnderCompileError
 from .patching import Swap
 from .recipes import unfused_update_requested
@@ -222,6 +223,7 @@ def swaps() -> list[Swap]:
             "reduce_and_update_fp8_tensors",
             make_reduce_and_update_fp8_tensors(vars(manager)["reduce_and_update_fp8_tensors"]),
         ),
+        *alias_swaps(),  # te.fp8_autocast, te.fp8_model_init: te_compile/aliases.py
     ]
 
 
