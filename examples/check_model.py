@@ -48,3 +48,27 @@ def build_norm_family():
     model = NormBlock().cuda()
     x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     return model, (x,)
+
+
+class EagerOnlyCode(torch.nn.Module):
+    """Code that differs between eager and compiled execution, as HF transformers' mask code
+    does: eagerly it reads its activations with `.item()` (meta tensors cannot answer that),
+    under torch.compile it skips the read. check passes it: the per-module cases take their
+    inputs from the whole-model trace, so the model's eager code never runs on meta tensors."""
+
+    def __init__(self, hidden: int = 256):
+        super().__init__()
+        self.fc1 = te.Linear(hidden, hidden, params_dtype=torch.bfloat16)
+        self.fc2 = te.Linear(hidden, hidden, params_dtype=torch.bfloat16)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if not torch.compiler.is_compiling() and h.isnan().any().item():
+            raise ValueError("NaN activations")
+        return self.fc2(h)
+
+
+def build_eager_only_code():
+    model = EagerOnlyCode().cuda()
+    x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return model, (x,)

@@ -1,6 +1,7 @@
 """`python -m te_compile`: the doctor report.
-`python -m te_compile check FILE.py:FACTORY [--arch hopper] [--recipe delayed,current]`: trace the
-model FACTORY builds under te_compile.check; exit 1 when a case fails (a CI gate)."""
+`python -m te_compile check FILE.py:FACTORY [--arch hopper] [--recipe delayed,current]
+[--backend inductor]`: trace the model FACTORY builds under te_compile.check; exit 1 when a case
+fails (a CI gate)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ def main(argv: list[str] | None = None) -> int:
     chk.add_argument("--recipe", default=None, help="comma-separated: none,delayed,current,...")
     chk.add_argument("--whole-model-only", action="store_true", help="skip per-module cases")
     chk.add_argument("--no-patch", action="store_true", help="check TE's own compile path")
+    chk.add_argument(
+        "--backend",
+        default="aot_eager",
+        choices=("aot_eager", "inductor"),
+        help="inductor: also compile each graph with inductor for the simulated GPU (no run)",
+    )
     args = parser.parse_args(argv)
 
     import te_compile
@@ -32,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     recipes = args.recipe.split(",") if args.recipe else None
     factory = load_factory(args.target)
     report = check_factory(
-        factory, arch=args.arch, recipes=recipes, per_module=not args.whole_model_only
+        factory,
+        arch=args.arch,
+        recipes=recipes,
+        per_module=not args.whole_model_only,
+        backend=args.backend,
     )
     print(report.table())
     return 0 if report.ok else 1

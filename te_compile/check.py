@@ -5,18 +5,22 @@ For each recipe, two kinds of case:
 
 - the whole model (or function): compiled with `fullgraph=True` under `te.autocast`, forward
   and backward (the backward of the sum of its floating outputs);
-- each TE module instance on its own: the model runs eagerly on meta tensors (torch.compile'd
-  code it calls, such as TE's jit fusions, runs eagerly too) while each TE module's forward is
-  compiled with `fullgraph=True`, so one failing module does not hide the others' results
-  (modules after a failure are "not reached": nothing can run in its place).
+- each outermost TE module instance on its own (te_compile/check_modules.py): compiled with
+  `fullgraph=True`, forward and backward, from fresh inputs shaped as the ones it saw in the
+  whole-model trace, so one failing module does not hide the others' results.
+
+`backend`: "aot_eager" (the default: AOTAutograd's graphs, run as they are on meta tensors) or
+"inductor" (each graph also compiled by inductor as for a GPU of the arch, up to its generated
+code: te_compile/check_inductor.py), so inductor-only failures show on a CPU machine.
 
 A case passes when its trace has no graph break and no error. The report lists, per case:
 graphs (forward + backward, from AOTAutograd), te_compile ops in them, and the reason of a
 failure: the option te-compile refuses, with its named error, or dynamo's graph-break reason.
 
-This is a diagnostics module: it uses torch internals (`torch._dynamo` reset and AOTAutograd's
-backend factory), imported lazily, with a clear error if torch moved them. The compile path
-itself (te_compile.ops, te_compile.modules) uses public APIs only.
+This is a diagnostics module: it uses torch internals (`torch._dynamo` reset, AOTAutograd's
+backend factory, dynamo's `comptime`, inductor's compile_fx), imported lazily, with a clear
+error if torch moved them. The compile path itself (te_compile.ops, te_compile.modules) uses
+public APIs only.
 """
 
 from __future__ import annotations
@@ -24,13 +28,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import importlib.util
-import re
 import sys
 import textwrap
 
 import torch
 
-from .errors import TECompileError
+from .check_modules import module_cases, recording
+from .check_trace import (
+    BACKENDS,
+    CaseResult,
+    autocast,
+    backward,
+    classify,
+    fresh_state,
+    make_recorder,
+)
 from .simulate import simulate_gpu, simulated_gpu
 
 _RECIPE_CLASSES = {
@@ -70,23 +82,6 @@ def _recipe_label(recipe) -> str:
     return names.get(type(recipe).__name__, type(recipe).__name__)
 
 
-@dataclasses.dataclass(frozen=True)
-class CaseResult:
-    """One traced case: `target` is "model" or a TE module's qualified name."""
-
-    target: str
-    module_type: str
-    recipe: str
-    status: str  # "ok", "refused" (te-compile's named error), "break", "error", "not reached"
-    graphs: int = 0
-    ops: tuple[str, ...] = ()
-    reason: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
 def _families(ops: tuple[str, ...]) -> str:
     """ "linear_fwd, linear_bwd, norm_fwd" -> "linear, norm": the op families in the graphs."""
     names = [op.removesuffix("_fwd").removesuffix("_bwd") for op in ops]
@@ -97,6 +92,8 @@ def _families(ops: tuple[str, ...]) -> str:
 class CheckReport:
     arch: str
     results: tuple[CaseResult, ...]
+    notes: tuple[str, ...] = ()
+    backend: str = "aot_eager"
 
     @property
     def ok(self) -> bool:
@@ -127,268 +124,52 @@ class CheckReport:
         title = (
             f"te_compile.check: traced as on {gpu.name}, sm{gpu.capability[0]}{gpu.capability[1]}"
         )
+        if self.backend == "inductor":
+            title += "; graphs compiled by inductor for it (code generated, not run)"
         out = [title, line(head)]
         out.append(line(["-" * w for w in widths]))
         out += [line(row) for row in rows]
         failed = self.failures()
-        if failed:
+        explained = [r for r in self.results if r.status != "ok"]  # failures, skips, unused
+        if explained:
             out.append("")
-            for r in failed:
+            for r in explained:
                 why = textwrap.shorten(r.reason, width=width * 4, placeholder=" ...")
                 out.append(f"{r.target} [{r.recipe}] {r.status}:")
                 out += textwrap.wrap(why, width, initial_indent="  ", subsequent_indent="  ")
+        for note in self.notes:
+            out.append("")
+            out += textwrap.wrap(f"note: {note}", width, subsequent_indent="  ")
         count = f"{len(self.results) - len(failed)} of {len(self.results)} cases passed"
-        out.append(f"\n{count}" if failed else count)
+        others = [r.status for r in explained if r.ok]
+        if others:
+            count += " (" + ", ".join(f"{others.count(s)} {s}" for s in dict.fromkeys(others)) + ")"
+        out.append(f"\n{count}" if explained or self.notes else count)
         return "\n".join(out)
 
     __str__ = table
 
 
-# ---- tracing -----------------------------------------------------------------------------------
+# ---- cases --------------------------------------------------------------------------------------
 
 
-def _dynamo():
-    try:
-        from torch._dynamo import reset
-        from torch._dynamo.backends.common import aot_autograd
-    except ImportError as e:  # pragma: no cover  (a torch that moved them)
-        raise TECompileError(
-            f"te_compile.check needs torch._dynamo.reset and AOTAutograd's backend factory, "
-            f"which this torch ({torch.__version__}) does not have where expected: {e}"
-        ) from e
-    return reset, aot_autograd
-
-
-class _Recorder:
-    """A torch.compile backend: AOTAutograd whose compilers keep each graph and run it as is."""
-
-    def __init__(self):
-        _, aot_autograd = _dynamo()
-        self.graphs: list[torch.fx.GraphModule] = []
-
-        def keep(gm, example_inputs):
-            self.graphs.append(gm)
-            gm.graph.lint()
-            forward = gm.forward
-
-            def boxed(args):  # AOTAutograd calls compiled graphs with one list of inputs
-                inputs = list(args)
-                args.clear()
-                return forward(*inputs)
-
-            boxed._boxed_call = True
-            return boxed
-
-        self.backend = aot_autograd(fw_compiler=keep, bw_compiler=keep)
-
-    def te_ops(self) -> tuple[str, ...]:
-        names = []
-        for gm in self.graphs:
-            for node in gm.graph.nodes:
-                if node.op != "call_function":
-                    continue
-                wrapped = "auto_functionalized" in str(node.target)  # a mutating op
-                name = str(node.args[0] if wrapped else node.target)
-                if name.startswith("te_compile."):
-                    short = name.split(".")[1]
-                    if short not in names:
-                        names.append(short)
-        return tuple(names)
-
-
-def _te_compile_error_names() -> set[str]:
-    names, todo = set(), [TECompileError]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo += cls.__subclasses__()
-    return names
-
-
-def _message(observed: BaseException, top: BaseException) -> str:
-    """The message of an error raised in traced code. torch >= 2.14 keeps it in the observed
-    error ("raised exception Name('...')"); torch 2.11 keeps only the class there and the message
-    in the top-level error's "Developer debug context" (as "ConstantVariable(str: '...')")."""
-    text = str(observed).removeprefix("raised exception ")
-    if "Variable(" not in text:
-        call = re.fullmatch(r"(\w+)\((['\"])(.*)\2\)", text, re.S)  # Name('message')
-        return f"{call[1]}: {call[3]}" if call else text
-    found = re.search(r"ConstantVariable\(str: (['\"])(.*?)\1\)", str(top), re.S)
-    name = type(observed).__name__.removeprefix("Observed").removesuffix("Error")
-    return f"{name}: {found[2]}" if found else text
-
-
-def _classify(e: BaseException) -> tuple[str, str]:
-    """(status, reason) for an exception raised while tracing or running a case. Dynamo
-    re-raises an error raised in traced code as `Unsupported("Observed exception")` whose
-    cause is an `Observed<Name>Error` carrying the original message: unwrap it."""
-    chain, seen = [], e
-    while seen is not None and seen not in chain:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    ours = _te_compile_error_names()
-    for err in chain:
-        name = type(err).__name__
-        if isinstance(err, TECompileError) or any(f"Observed{n}" in name for n in ours):
-            return "refused", _message(err, e)
-    text = str(e).strip()
-    if type(e).__name__ in ("Unsupported", "UserError") or "graph break" in text.lower():
-        observed = [err for err in chain[1:] if type(err).__name__.startswith("Observed")]
-        if observed:  # an error raised in traced code (TE's own, e.g. a validation error)
-            return "error", _message(observed[0], e)
-        return "break", text.split("\n\nfrom user code")[0]
-    return "error", f"{type(e).__name__}: {text}"
-
-
-def _backward(out) -> None:
-    leaves = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
-    if leaves:
-        torch.autograd.backward([t.float().sum() for t in leaves])
-
-
-def _detached(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().requires_grad_(x.requires_grad)
-    return x
-
-
-def _tree_map(fn, out):
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    if isinstance(out, (list, tuple)):
-        return type(out)(_tree_map(fn, o) for o in out)
-    return out
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
-
-
-@contextlib.contextmanager
-def _fresh_state():
-    """Fresh dynamo caches and TE global FP8 state around a case."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-    reset, _ = _dynamo()
-    reset()
-    FP8GlobalStateManager.reset()
-    try:
-        yield
-    finally:
-        reset()
-        FP8GlobalStateManager.reset()
-
-
-def _autocast(recipe):
-    import transformer_engine.pytorch as te
-
-    return te.autocast(enabled=recipe is not None, recipe=recipe)
-
-
-def _te_modules(model) -> list[tuple[str, torch.nn.Module]]:
-    """The outermost TE modules inside `model` (their own TE children trace inside them). When
-    the model itself is a TE module (a TransformerLayer), the outermost ones below it: the
-    model case already covers the whole."""
-    if not isinstance(model, torch.nn.Module):
-        return []
-    found: list[tuple[str, torch.nn.Module]] = []
-    for name, module in model.named_modules():
-        if name == "" or not type(module).__module__.startswith("transformer_engine."):
-            continue
-        if any(name.startswith(f"{outer}.") for outer, _ in found):
-            continue
-        found.append((name, module))
-    return found
-
-
-def _check_model(fn, inputs, recipe, label) -> CaseResult:
-    recorder = _Recorder()
+def _check_model(fn, inputs, recipe, label, backend, arch, record) -> tuple[CaseResult, dict]:
+    """The whole-model case; with `record`, also each TE module's first call (check_modules)."""
+    rec = make_recorder(backend, arch)
     kind = type(fn).__name__ if isinstance(fn, torch.nn.Module) else getattr(fn, "__name__", "fn")
-    with _fresh_state():
+    calls: dict = {}
+    with fresh_state(), rec.context():
         try:
-            compiled = torch.compile(fn, backend=recorder.backend, fullgraph=True)
-            with _autocast(recipe):
-                out = compiled(*inputs)
-            _backward(out)
+            with recording(fn) if record else contextlib.nullcontext({}) as recorded:
+                calls = recorded
+                compiled = torch.compile(fn, backend=rec.backend, fullgraph=True)
+                with autocast(recipe):
+                    out = compiled(*inputs)
+            backward(out)
         except Exception as e:  # noqa: BLE001  (every failure is a reported result)
-            status, reason = _classify(e)
-            return CaseResult("model", kind, label, status, len(recorder.graphs), reason=reason)
-    return CaseResult("model", kind, label, "ok", len(recorder.graphs), recorder.te_ops())
-
-
-def _check_modules(model, inputs, recipe, label) -> list[CaseResult]:
-    modules = _te_modules(model)
-    recorders = {name: _Recorder() for name, _ in modules}
-    errors: dict[str, BaseException] = {}
-    done: set[str] = set()  # modules whose forward and backward traced
-    compiled = {}
-    for name, module in modules:
-        compiled[name] = torch.compile(
-            module.forward, backend=recorders[name].backend, fullgraph=True
-        )
-
-    def traced(name, forward):
-        """The module's compiled forward and, right after it, its backward, on inputs cut
-        from the model's autograd graph: each module is checked forward + backward on its own,
-        and the model goes on with a detached output."""
-
-        def call(*args, **kwargs):
-            try:
-                args = [_detached(a) for a in args]
-                with torch.compiler.set_stance("default"):  # the model's eager run forces eager
-                    out = forward(*args, **kwargs)
-                    _backward(out)
-            except Exception as e:
-                errors.setdefault(name, e)
-                raise
-            done.add(name)
-            return _tree_map(lambda t: t.detach(), out)
-
-        return call
-
-    own_forwards = {name: vars(module).get("forward") for name, module in modules}
-    with _fresh_state():
-        try:
-            for name, module in modules:
-                module.forward = traced(name, compiled[name])
-            # The model's own code runs eagerly, and so do torch.compile'd functions it calls
-            # (TE's jit fusions, e.g. TransformerLayer's bias-dropout-add: inductor on meta
-            # tensors fails in torch 2.11's partitioner); only the TE modules compile.
-            with _autocast(recipe), torch.compiler.set_stance("force_eager"):
-                model(*inputs)
-        except Exception as e:  # noqa: BLE001
-            if not errors:  # failed outside every TE module: blame the model's own code
-                errors["<model>"] = e
-        finally:
-            for name, module in modules:
-                del module.forward
-                if own_forwards[name] is not None:
-                    module.forward = own_forwards[name]
-    results = []
-    for name, module in modules:
-        rec = recorders[name]
-        ops = ()
-        if name in errors:
-            status, reason = _classify(errors[name])
-        elif name in done:
-            status, reason, ops = "ok", "", rec.te_ops()
-        elif errors:
-            first = next(iter(errors))
-            status = "not reached"
-            culprit = "the model's own code" if first == "<model>" else first
-            reason = f"not run: {culprit} raised first"
-        else:
-            status, reason = "not reached", "never called"
-        results.append(
-            CaseResult(name, type(module).__name__, label, status, len(rec.graphs), ops, reason)
-        )
-    return results
+            status, reason = classify(e)
+            return CaseResult("model", kind, label, status, len(rec.graphs), reason=reason), calls
+    return CaseResult("model", kind, label, "ok", len(rec.graphs), rec.te_ops()), calls
 
 
 def check(
@@ -397,6 +178,7 @@ def check(
     arch: str = "hopper",
     recipes=None,
     per_module: bool = True,
+    backend: str = "aot_eager",
 ) -> CheckReport:
     """Trace `model_or_fn(*example_inputs)` forward and backward under `torch.compile(fullgraph=True)`
     for each recipe, under `simulate_gpu(arch)`, and report per case (see this module's docstring).
@@ -405,27 +187,38 @@ def check(
     `check_factory` for a function that builds them. `recipes`: names from RECIPE_NAMES or TE
     recipe objects (default: every recipe the arch supports). Call `te_compile.patch()` first
     to check te-compile's compile path (without it, TE's own). `per_module=False` traces only
-    the whole model. Resets dynamo's caches and TE's global FP8 state around each case.
+    the whole model. `backend`: "aot_eager" or "inductor" (graphs also compiled by inductor as
+    for that GPU, nothing run). Resets dynamo's caches and TE's global FP8 state around each
+    case.
     """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     recipes = default_recipes(arch) if recipes is None else tuple(recipes)
     results: list[CaseResult] = []
+    notes: list[str] = []
     with simulate_gpu(arch):
         for item in recipes:
             recipe = make_recipe(item) if isinstance(item, str) else item
             label = _recipe_label(item)
-            results.append(_check_model(model_or_fn, example_inputs, recipe, label))
+            args = (model_or_fn, example_inputs, recipe, label)
+            model, calls = _check_model(*args, backend, arch, per_module)
+            results.append(model)
             if per_module:
-                results += _check_modules(model_or_fn, example_inputs, recipe, label)
-    return CheckReport(simulated_gpu(arch).arch, tuple(results))
+                more, why = module_cases(*args, calls, model, backend, arch)
+                results += more
+                notes += why
+    return CheckReport(simulated_gpu(arch).arch, tuple(results), tuple(notes), backend)
 
 
-def check_factory(factory, *, arch: str = "hopper", recipes=None, per_module: bool = True):
+def check_factory(
+    factory, *, arch: str = "hopper", recipes=None, per_module: bool = True, backend="aot_eager"
+):
     """`factory()` is ordinary GPU code returning (model, example_inputs): it runs under
     `simulate_gpu(arch)`, so its CUDA tensors are meta tensors, then `check` traces them."""
     with simulate_gpu(arch):
         model, inputs = factory()
     inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-    return check(model, *inputs, arch=arch, recipes=recipes, per_module=per_module)
+    return check(model, *inputs, arch=arch, recipes=recipes, per_module=per_module, backend=backend)
 
 
 def load_factory(spec: str):

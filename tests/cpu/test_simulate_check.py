@@ -48,7 +48,29 @@ def test_cli_check_passes_and_prints_a_table():
     run = _run("-m", "te_compile", "check", "examples/check_model.py:build")
     assert run.returncode == 0, run.stdout + run.stderr
     assert "20 of 20 cases passed" in run.stdout
-    assert "1.fc2   Linear      delayed  ok      2                 linear" in run.stdout, run.stdout
+    assert "1.fc2   Linear      delayed  ok      2 " in run.stdout, run.stdout
+    assert "1.fc2   Linear      current  ok      2                 linear" in run.stdout
+
+
+def test_cli_check_inductor():
+    """--backend inductor: every graph also compiled by inductor as for an H100 (code generated,
+    nothing run), DelayedScaling included."""
+    target = "examples/check_model.py:build"
+    run = _run(
+        "-m", "te_compile", "check", target, "--recipe", "current,delayed", "--backend", "inductor"
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "graphs compiled by inductor for it" in run.stdout
+    assert "10 of 10 cases passed" in run.stdout, run.stdout
+
+
+def test_cli_check_passes_a_model_whose_eager_code_differs():
+    """The model's eager code calls .item() on its activations (meta tensors cannot answer),
+    compiled code skips it, as HF transformers' mask code does: the per-module cases take their
+    inputs from the whole-model trace and pass; exit 0."""
+    run = _run("-m", "te_compile", "check", "examples/check_model.py:build_eager_only_code")
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "12 of 12 cases passed" in run.stdout and "not reached" not in run.stdout
 
 
 def test_cli_check_fails_on_an_unsupported_option():
@@ -116,10 +138,11 @@ def test_simulate_places_traced_factories_on_meta(factory):
     assert out.device.type == "meta" and out.shape == (4,)
 
 
-def test_check_runs_the_model_s_compiled_helpers_eagerly(patched):
-    """Per module, the model's own code runs eagerly: a torch.compile'd helper it calls between
-    TE modules (as TE's jit fusions are) is not compiled there (inductor on meta tensors fails
-    in torch 2.11), only inlined into the whole-model case."""
+def test_check_does_not_compile_the_model_s_compiled_helpers_on_their_own(patched):
+    """A torch.compile'd helper the model calls between TE modules (as TE's jit fusions are) is
+    inlined into the whole-model case and never compiled on its own: the per-module cases take
+    their inputs from that trace (and where the model runs eagerly, as a fallback, such helpers
+    run eagerly: inductor on meta tensors failed in torch 2.11)."""
     compiled_helpers = []
 
     def backend(gm, example_inputs):
