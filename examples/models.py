@@ -42,6 +42,7 @@ class GPTConfig:
     normalization: str = "LayerNorm"  # TE's: "LayerNorm" or "RMSNorm"
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    checkpoint: str = "none"  # activation checkpointing per layer: "none", "te", "torch"
     dtype: torch.dtype = torch.bfloat16
 
 
@@ -58,6 +59,7 @@ class LlamaConfig:
     rope_base: float = 10000.0
     hidden_dropout: float = 0.0  # the tutorial's layers use 0
     attention_dropout: float = 0.0
+    checkpoint: str = "none"  # activation checkpointing per layer: "none", "te", "torch"
     dtype: torch.dtype = torch.bfloat16
 
 
@@ -72,6 +74,29 @@ def _rope_table(head_dim: int, max_seq_len: int, base: float) -> torch.Tensor:
     tutorial does); the forward passes the first `seq` rows as `rotary_pos_emb`."""
     rope = te.RotaryPositionEmbedding(head_dim, rotary_base=base)
     return rope(max_seq_len=max_seq_len)
+
+
+class Checkpointed(torch.nn.Module):
+    """A layer whose activations are recomputed in backward: `how` = "te" (TE's
+    te.distributed.checkpoint: FP8-aware, every recipe) or "torch" (torch.utils.checkpoint,
+    non-reentrant). Wrap first, then compile the wrapper (torchtitan's order)."""
+
+    def __init__(self, layer: torch.nn.Module, how: str):
+        super().__init__()
+        if how not in ("te", "torch"):
+            raise ValueError(f"checkpoint: 'none', 'te' or 'torch', got {how!r}")
+        self.layer, self.how = layer, how
+
+    def forward(self, x: torch.Tensor, **kwargs) -> torch.Tensor:
+        if self.how == "te":
+            return te.distributed.checkpoint(self.layer, x, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False, **kwargs)
+
+
+def _layers(layers: torch.nn.ModuleList, how: str) -> torch.nn.ModuleList:
+    if how == "none":
+        return layers
+    return torch.nn.ModuleList(Checkpointed(layer, how) for layer in layers)
 
 
 class GPT(torch.nn.Module):
@@ -101,6 +126,7 @@ class GPT(torch.nn.Module):
             )
             for i in range(c.num_layers)
         )
+        self.layers = _layers(self.layers, c.checkpoint)
         norm = te.LayerNorm if c.normalization == "LayerNorm" else te.RMSNorm
         self.final_norm = norm(c.hidden_size, params_dtype=c.dtype)
         if not c.tie_embeddings:
@@ -152,6 +178,7 @@ class Llama(torch.nn.Module):
             )
             for i in range(c.num_layers)
         )
+        self.layers = _layers(self.layers, c.checkpoint)
         self.final_norm = te.RMSNorm(c.hidden_size, eps=c.rms_norm_eps, params_dtype=c.dtype)
         self.lm_head = te.Linear(c.hidden_size, c.vocab_size, bias=False, params_dtype=c.dtype)
 

@@ -14,7 +14,8 @@ What TE 2.20 does under `torch.compile`, and what the twins do instead:
   touching it keeps compiled code free of guards on it, so `FP8GlobalStateManager.reset()`
   causes no recompile.
 - `FP8GlobalStateManager.reduce_and_update_fp8_tensors` calls pybind kernels. Twin: the same
-  update as one custom op (`te_compile::amax_and_scale_update`) per buffer key.
+  update as one custom op (`te_compile::amax_and_scale_update`) per buffer key, over the TE
+  GEMM modules' state in it (persistent_state.compiled_buffer_positions).
 
 `autocast.__enter__/__exit__` themselves are TE's, unchanged: dynamo traces them into the twins.
 """
@@ -26,6 +27,7 @@ import torch
 from . import ops
 from .aliases import swaps as alias_swaps
 from .errors import RecipeNotSupportedError, UnsupportedUnderCompileError
+from .modules import persistent_state
 from .patching import Swap
 from .recipes import unfused_update_requested
 
@@ -161,12 +163,17 @@ def make_reduce_and_update_fp8_tensors(original):
             is_forward, autocast_key = cls.split_key_in_buffer(key)
             if is_forward != forward or len(amax_buffer) == 0:
                 continue
+            positions = persistent_state.compiled_buffer_positions(key)
+            if not positions:
+                continue
             recipe, group = state.autocast_arguments[autocast_key]
+            histories = state.global_amax_history_buffer[key]
+            scales = state.global_scale_buffer[key]
             _delayed_update(
                 recipe,
                 group,
-                state.global_amax_history_buffer[key],
-                state.global_scale_buffer[key],
+                [histories[i] for i in positions],
+                [scales[i] for i in positions],
                 direction,
             )
 

@@ -400,11 +400,16 @@ def make_update_roles(original):
         else:
             query = self.layernorm_query if self.input_layernorm else self.query_layer
             qkv_linears = [query, self.key_value]
-        for linear in qkv_linears:
-            linear.output_quantizer_role = None
-        self.proj.grad_input_quantizer_role = None
-        self.core_attention.output_quantizer_role = None
-        self.core_attention.grad_input_quantizer_role = None
+        roles = [(linear, "output_quantizer_role") for linear in qkv_linears] + [
+            (self.proj, "grad_input_quantizer_role"),
+            (self.core_attention, "output_quantizer_role"),
+            (self.core_attention, "grad_input_quantizer_role"),
+        ]
+        for module, attr in roles:
+            # Written only when not None already: a module attribute write inside
+            # torch.utils.checkpoint is a side effect dynamo refuses (torch 2.11).
+            if getattr(module, attr, None) is not None:
+                setattr(module, attr, None)
 
     _update_output_quantizer_roles.__doc__ = original.__doc__
     return _update_output_quantizer_roles

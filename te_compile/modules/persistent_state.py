@@ -134,6 +134,26 @@ def _registered(module, recipe) -> bool:
 
 
 @torch.compiler.assume_constant_result
+def compiled_buffer_positions(key: str) -> tuple:
+    """Positions in TE's global amax-history buffer `key` of the TE GEMM modules' state (the
+    modules te_compile compiles). Eager TE also registers modules whose FP8 state compiled code
+    never uses, e.g. DotProductAttention's after an eager DelayedScaling step (FP8 attention is
+    refused under compile): an update of theirs in the graph would mutate tensors no compiled
+    module reads, which CUDA graph trees refuse ("mutated inputs"). Their updates are no-ops:
+    nothing records amaxes into them."""
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    histories = manager.quantization_state.global_amax_history_buffer.get(key, [])
+    ours = {
+        id(getattr(m.fp8_meta[name], "amax_history", None))
+        for m in _live_modules()
+        for name in ("scaling_fwd", "scaling_bwd")
+        if name in getattr(m, "fp8_meta", {})
+    }
+    return tuple(i for i, h in enumerate(histories) if id(h) in ours)
+
+
+@torch.compiler.assume_constant_result
 def reinit_delayed_state(module_id: int, fields: tuple) -> bool:
     """DelayedScaling state for the recipe `fields` for one module that has state for another."""
     for module in _live_modules():

@@ -166,34 +166,64 @@ def test_graph_mode_autocast_is_named(patched, fake_gpu, backend):
         compile_fullgraph(in_autocast(recipe=R.Float8CurrentScaling(), _graph=True), backend)(X)
 
 
-def test_delayed_update_runs_at_outermost_exit(patched, fake_gpu, fake_cuda, backend):
-    """With DelayedScaling tensors registered, the forward amax/scale update is in the graph,
-    once, at the outermost exit, and only with grad enabled (as in eager TE)."""
-    fake_gpu("hopper")
+def test_delayed_update_runs_at_outermost_exit(patched, backend):
+    """With a module's DelayedScaling state registered, the forward amax/scale update is in the
+    graph, once, at the outermost exit, and only with grad enabled (as in eager TE)."""
+    import te_compile
+
     recipe = R.DelayedScaling(amax_history_len=4)
-    history = torch.zeros(4, 3, device="cuda")
-    scale = torch.ones(3, device="cuda")
-    key = FGS.get_key_in_buffer(True, recipe, None)
-    state = FGS.quantization_state
-    state.global_amax_buffer[key] = [history[0]]
-    state.global_amax_history_buffer[key] = [history]
-    state.global_scale_buffer[key] = [scale]
-    state.autocast_arguments[FGS.get_unique_autocast_key(recipe, None)] = (recipe, None)
+    with te_compile.simulate_gpu("hopper"):
+        linear = te.Linear(16, 16, params_dtype=torch.bfloat16).cuda()
 
-    def fn(x):
-        with te.autocast(recipe=recipe):
+        def fn(x):
             with te.autocast(recipe=recipe):
-                y = x * 2
-        return y
+                with te.autocast(recipe=recipe):
+                    y = linear(x)
+            return y
 
-    x = torch.ones(3, device="cuda")
-    compile_fullgraph(fn, backend)(x)
-    assert backend.targets().count("te_compile.amax_and_scale_update") == 1
-    torch._dynamo.reset()
-    backend.graphs.clear()
-    with torch.no_grad():
+        x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
         compile_fullgraph(fn, backend)(x)
-    assert "te_compile.amax_and_scale_update" not in backend.targets()
+        assert backend.targets().count("te_compile.amax_and_scale_update") == 1
+        torch._dynamo.reset()
+        backend.graphs.clear()
+        with torch.no_grad():
+            compile_fullgraph(fn, backend)(x)
+        assert "te_compile.amax_and_scale_update" not in backend.targets()
+
+
+def test_delayed_update_skips_state_no_compiled_module_owns(patched, backend):
+    """State eager TE registered for a module the compiled path never uses (a stand-in for
+    DotProductAttention's after an eager DelayedScaling step) is not updated in the graph: it
+    would be a mutated input no compiled module reaches (CUDA graph trees skip such graphs)."""
+    import te_compile
+
+    recipe = R.DelayedScaling(amax_history_len=4)
+    with te_compile.simulate_gpu("hopper"):
+        linear = te.Linear(16, 16, params_dtype=torch.bfloat16).cuda()
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return linear(x)
+
+        x = torch.ones(16, 16, device="cuda", dtype=torch.bfloat16)
+        compile_fullgraph(fn, backend)(x)  # creates and registers the Linear's state
+        key = FGS.get_key_in_buffer(True, recipe, None)
+        state = FGS.quantization_state
+        foreign = torch.zeros(4, 3, device="cuda")
+        state.global_amax_buffer[key].append(foreign[0])
+        state.global_amax_history_buffer[key].append(foreign)
+        state.global_scale_buffer[key].append(torch.ones(3, device="cuda"))
+        torch._dynamo.reset()
+        backend.graphs.clear()
+        compile_fullgraph(fn, backend)(x)
+    (update,) = [
+        n
+        for gm in backend.graphs
+        for n in gm.graph.nodes
+        if "amax_and_scale_update" in str(n.target)
+    ]
+    histories = update.args[0] if update.args else update.kwargs["amax_histories"]
+    assert len(histories) == 1, histories
 
 
 def test_no_assert_control_flow_under_python_O():
