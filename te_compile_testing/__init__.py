@@ -174,9 +174,7 @@ class JointRecorder:
 
             return compiler
 
-        self.backend = aot_autograd(
-            fw_compiler=keep(self.fw), bw_compiler=keep(self.bw), **kwargs
-        )
+        self.backend = aot_autograd(fw_compiler=keep(self.fw), bw_compiler=keep(self.bw), **kwargs)
 
     @staticmethod
     def targets(graphs) -> list[str]:

@@ -121,7 +121,11 @@ CASES = [
     *[("te", r, "whole", "outside") for r in RECIPES],
     *[("te", r, "whole", "inside") for r in RECIPES],
     *[("te", r, "blocks", "outside") for r in RECIPES],
-    *[("torch", r, w, "outside") for r in ("none", "current", "block") for w in ("whole", "blocks")],
+    *[
+        ("torch", r, w, "outside")
+        for r in ("none", "current", "block")
+        for w in ("whole", "blocks")
+    ],
     ("te_compile", "delayed", "whole", "inside"),
     ("te_compile", "current", "blocks", "outside"),
 ]
