@@ -155,7 +155,7 @@ def check_module_options(
     cfg: QuantConfig,
 ) -> None:
     """The options every TE GEMM module shares that the compiled path does not implement:
-    raise, naming them. `weights` are the module's high-precision GEMM weights."""
+    raise, naming them. `weights` are the module's GEMM weight parameters."""
     from transformer_engine.debug.pytorch.debug_state import TEDebugState
     from transformer_engine.pytorch import cpu_offload, distributed
 
@@ -187,12 +187,7 @@ def check_module_options(
         raise unsupported(name, "TE-managed FSDP (fsdp_group)", "use FSDP2")
     if m.wgrad_store is not None and m.wgrad_store.delay_wgrad_compute():
         raise unsupported(name, "delay_wgrad_compute=True", "set delay_wgrad_compute=False")
-    if m.primary_weights_in_fp8 or any(is_quantized(w) for w in weights):
-        raise unsupported(
-            name,
-            "FP8 parameters (quantized_model_init)",
-            "create the module with high-precision weights",
-        )
+    # FP8 parameters (quantized_model_init): fp8_params.check, called by each module.
     if TEDebugState.debug_enabled:
         raise unsupported(name, "TE debug mode (nvidia-dlfw-inspect)", "disable TE debug")
     if cpu_offload.is_cpu_offload_enabled():

@@ -21,7 +21,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
-from . import gemm_common
+from . import fp8_params, gemm_common
 from . import linear as _linear  # DEVICE_TYPES: the devices every compiled path accepts
 
 NAME = "te.LayerNormLinear"
@@ -62,6 +62,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         fp8_grad=fp8_grad,
         cfg=cfg,
     )
+    fp8_params.check(NAME, self, weights, cfg)
     if self.fuse_wgrad_accumulation and len(weights) > 1:
         raise _unsupported(
             "fuse_wgrad_accumulation with parameters_split", "use one weight parameter"
@@ -85,10 +86,10 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     save_input = grad and weight.requires_grad
     save_weight = grad and needs_norm_grads
     fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
-    weight_cache = []
-    if fp8 and is_first_microbatch is not None:
-        refresh = bool(is_first_microbatch)
-        weight_cache = gemm_common.cached_weight(self, "weight", weight, cfg, fwd_state, refresh)
+    # An FP8 parameter enters as its gradient carrier and its parts (fp8_params.py).
+    op_weight, weight_cache = fp8_params.gemm_weight(
+        self, "weight", weight, cfg, fwd_state, is_first_microbatch
+    )
     main_grad = weight.main_grad if self.fuse_wgrad_accumulation else None
     # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
     accumulate = not is_first_microbatch if is_first_microbatch is not None else True
@@ -97,7 +98,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         x,
         ln_weight,
         ln_bias,
-        weight,
+        op_weight,
         fused_bias,
         gemm_common.forward_op_state(fwd_state),
         bwd_state,

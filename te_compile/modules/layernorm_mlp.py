@@ -23,7 +23,7 @@ from ..ops import activation
 from ..ops.layernorm_mlp import MLPConfig
 from ..patching import Swap
 from ..recipes import QuantConfig
-from . import checkpointing, gemm_common, persistent_state
+from . import checkpointing, fp8_params, gemm_common, persistent_state
 
 NAME = "te.LayerNormMLP"
 
@@ -98,6 +98,8 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         fp8_grad=False,
         cfg=cfg,
     )
+    fp8_params.check(NAME, self, [w1], cfg)
+    fp8_params.check(NAME, self, [w2], cfg)
     _check_mlp_options(self, cfg)
     _check_input(self, inp, fp8)
     act_dtype = gemm_common.activation_dtype(self, inp)
@@ -115,18 +117,17 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     save_fc2_input = grad and w2.requires_grad
     fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
 
-    fc1_cache, fc2_cache = [], []
-    if fp8 and is_first_microbatch is not None:
-        refresh = bool(is_first_microbatch)
+    if fp8 and is_first_microbatch is not None and not gemm_common.is_quantized(w2):
         # Both caches exist before either is read: dynamo keeps the cache dict as it first read
         # it, and would miss an entry created afterwards by the (untraced) ensure function.
         persistent_state.ensure_weight_caches(cfg.key, "fc2_weight", tuple(w2.shape), str(w2.dtype))
-        fc1_cache = gemm_common.cached_weight(
-            self, "fc1_weight", w1, cfg, fwd_state, refresh, gemm=0
-        )
-        fc2_cache = gemm_common.cached_weight(
-            self, "fc2_weight", w2, cfg, fwd_state, refresh, gemm=1
-        )
+    # FP8 parameters enter as their gradient carriers and parts (fp8_params.py).
+    op_w1, fc1_cache = fp8_params.gemm_weight(
+        self, "fc1_weight", w1, cfg, fwd_state, is_first_microbatch, gemm=0
+    )
+    op_w2, fc2_cache = fp8_params.gemm_weight(
+        self, "fc2_weight", w2, cfg, fwd_state, is_first_microbatch, gemm=1
+    )
     fuse = self.fuse_wgrad_accumulation
     main1 = w1.main_grad if fuse and w1.requires_grad else None
     main2 = w2.main_grad if fuse and w2.requires_grad else None
@@ -148,9 +149,9 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         inp,
         ln_w,
         ln_b,
-        w1,
+        op_w1,
         b1,
-        w2,
+        op_w2,
         b2_fused,
         gemm_common.forward_op_state(fwd_state),
         bwd_state,

@@ -23,7 +23,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
-from . import gemm_common
+from . import fp8_params, gemm_common
 
 # Devices the compiled path accepts. On "meta" tensors our ops run their fake kernels: that is how
 # te_compile.simulate_gpu traces forward and backward without a GPU (the autograd engine asks the
@@ -84,6 +84,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         fp8_grad=fp8_grad,
         cfg=cfg,
     )
+    fp8_params.check(NAME, self, weights, cfg)
 
     weight = concat_split(weights)
     bias = concat_split([getattr(self, n) for n in self.bias_names]) if self.use_bias else None
@@ -97,16 +98,16 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     save_input = grad and weight.requires_grad
     save_weight = grad and inp.requires_grad
     fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
-    weight_cache = []
-    if fp8 and is_first_microbatch is not None:
-        refresh = bool(is_first_microbatch)
-        weight_cache = gemm_common.cached_weight(self, "weight", weight, cfg, fwd_state, refresh)
+    # An FP8 parameter enters as its gradient carrier and its parts (fp8_params.py).
+    op_weight, weight_cache = fp8_params.gemm_weight(
+        self, "weight", weight, cfg, fwd_state, is_first_microbatch
+    )
     main_grad = weight.main_grad if self.fuse_wgrad_accumulation else None
     # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
     accumulate = not is_first_microbatch if is_first_microbatch is not None else True
     outputs = torch.ops.te_compile.linear_fwd(
         inp,
-        weight,
+        op_weight,
         fused_bias,
         gemm_common.forward_op_state(fwd_state),
         bwd_state,
@@ -140,4 +141,5 @@ def make_forward(original):
 def swaps() -> list[Swap]:
     from transformer_engine.pytorch.module.linear import Linear
 
-    return [Swap(Linear, "forward", make_forward(vars(Linear)["forward"]))]
+    # FP8 parameters: dynamo's guard on a Float8Tensor (fp8_params.py)
+    return [Swap(Linear, "forward", make_forward(vars(Linear)["forward"])), *fp8_params.swaps()]

@@ -89,8 +89,9 @@ def make_quantizer(
 
 
 class _HighPrecisionWeights:
-    """The one module attribute `_enable_weight_preswizzle` reads: the compiled path refuses
-    FP8 primary weights."""
+    """The one module attribute `_enable_weight_preswizzle` reads. The compiled path never
+    quantizes an FP8 primary weight (modules/fp8_params.py reads its parts) and refuses
+    primary_weights_in_fp8 with the MXFP8/NVFP4 recipes, whose weight quantizers read it."""
 
     primary_weights_in_fp8 = False
 

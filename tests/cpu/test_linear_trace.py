@@ -194,8 +194,8 @@ def test_unsupported_module_options_are_named(option, patched, fake_gpu, fake_cu
         ("sequence_parallel", True, "tensor/sequence parallelism"),
         ("ub_overlap_rs_fprop", True, "userbuffers overlap"),
         ("ub_bulk_wgrad", True, "userbuffers overlap"),
-        ("primary_weights_in_fp8", True, "FP8 parameters"),
-        # (parameters_split is supported: tests/cpu/test_linear_split_trace.py)
+        # (parameters_split is supported: tests/cpu/test_linear_split_trace.py; FP8
+        # parameters, quantized_model_init: tests/cpu/test_fp8_params_trace.py)
     ],
 )
 def test_unsupported_module_state_is_named(
