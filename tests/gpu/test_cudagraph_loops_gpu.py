@@ -61,6 +61,12 @@ class Loop:
         self.steps: dict = {}
         self.data = iter(batches())
         self.losses: list[torch.Tensor] = []
+        if microbatches > 1:
+            # Gradient accumulation under CUDA graph trees: grads kept allocated (zeroed in
+            # place), else the next replay overwrites the grad the previous one handed over
+            # (torch's rule for any module; README).
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
 
     def step_fn(self, mode):
         if mode is None or not self.compiled:
@@ -82,7 +88,7 @@ class Loop:
                 (loss / self.microbatches).backward()
                 self.losses.append(loss.detach().clone())
             self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=self.microbatches == 1)
 
     def evaluate(self, steps: int) -> None:
         step = self.step_fn("reduce-overhead")
@@ -107,7 +113,7 @@ def run_sequence(name: str, recipe, compiled: bool, graphs: bool = True):
     for m in loop.model.modules():
         meta = getattr(m, "fp8_meta", {})
         for key in ("scaling_fwd", "scaling_bwd"):
-            if key in meta:
+            if hasattr(meta.get(key), "amax_history"):  # DelayedScaling's state
                 state += [meta[key].amax_history.clone(), meta[key].scale.clone()]
     return torch.stack(loop.losses), state
 
