@@ -94,32 +94,6 @@ def train(recipe, compiled: bool, data):
     )
 
 
-def plot(curves: dict, folder: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no PNG (the table has the numbers)")
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, (compiled, eager)) in enumerate(curves.items()):
-        color = f"C{i}"
-        ax.plot(eager, color=color, linestyle="--", label=f"{name}, eager TE")
-        ax.plot(compiled, color=color, alpha=0.8, label=f"{name}, torch.compile fullgraph")
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss (cross-entropy)")
-    ax.set_title(f"GPT, 2 x te.TransformerLayer, FP8: {torch.cuda.get_device_name()}")
-    ax.legend()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "gpt-loss-curves.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def gpu_report(steps: int, folder: str) -> None:
     te_compile.patch()
     c = M.GPTConfig(max_seq_len=SEQ)
@@ -158,7 +132,10 @@ def gpu_report(steps: int, folder: str) -> None:
         f"ms: median step (forward, backward, AdamW) of steps 2-{steps}; 1st step s: compile."
     )
     if curves:
-        path = plot(curves, folder)
+        title = f"GPT, 2 x te.TransformerLayer, FP8: {torch.cuda.get_device_name()}"
+        path = M.plot_loss_curves(
+            curves, os.path.join(folder, "gpt-loss-curves.png"), title, "torch.compile fullgraph"
+        )
         if path:
             print(f"wrote {path}")
 

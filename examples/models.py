@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 
 import torch
@@ -272,3 +273,29 @@ def build_gpt_rotary_untied():
 def build_llama():
     config = LlamaConfig()
     return Llama(config), (_tokens(config),)
+
+
+def plot_loss_curves(curves: dict, path: str, title: str, compiled_label: str) -> str | None:
+    """Loss curves as a PNG at `path`: per name, (compiled losses, eager losses), one color
+    each, eager dashed. None (nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no PNG (the table has the numbers)")
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, (compiled, eager)) in enumerate(curves.items()):
+        ax.plot(eager, color=f"C{i}", linestyle="--", label=f"{name}, eager TE")
+        ax.plot(compiled, color=f"C{i}", alpha=0.8, label=f"{name}, {compiled_label}")
+    ax.set(xlabel="step", ylabel="training loss (cross-entropy)", title=title)
+    ax.legend()
+    folder = os.path.dirname(path)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -105,28 +105,6 @@ def trace_report() -> None:
         )
 
 
-def plot(curves: dict, folder: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, (compiled, eager)) in enumerate(curves.items()):
-        ax.plot(eager, color=f"C{i}", linestyle="--", label=f"{name}, eager TE")
-        ax.plot(compiled, color=f"C{i}", alpha=0.8, label=f"{name}, compiled per block")
-    ax.set(xlabel="step", ylabel="training loss", title="Llama-style, checkpointed, FP8")
-    ax.legend()
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "llama-training-loss.png")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def gpu_report(steps: int, folder: str) -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{LAYERS} x te.TransformerLayer (Llama-style), batch {BATCH} x {SEQ}, {steps} steps\n")
@@ -141,7 +119,10 @@ def gpu_report(steps: int, folder: str) -> None:
         diff = (loss_c - loss_e).abs().max().item()
         print(f"{name:<22}{loss_c[-1]:>14.4f}{loss_e[-1]:>11.4f}{diff:>11.3g}", end="")
         print(f"{ms_c:>12.2f}{ms_e:>9.2f}{mem_c / 2**30:>13.2f}{mem_e / 2**30:>10.2f}")
-    path = plot(curves, folder)
+    title = f"Llama-style, checkpointed, FP8: {torch.cuda.get_device_name()}"
+    path = M.plot_loss_curves(
+        curves, os.path.join(folder, "llama-training-loss.png"), title, "compiled per block"
+    )
     if path:
         print(f"\nwrote {path}")
 

@@ -72,6 +72,21 @@ def op_targets(graphs) -> list[str]:
     return names
 
 
+def te_op_nodes(graphs) -> list[tuple[str, torch.fx.Node]]:
+    """(op name without namespace and overload, node) for every te_compile op in `graphs`; a
+    mutating op that functionalization wrapped is listed under the op it wraps."""
+    out = []
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            if node.op != "call_function":
+                continue
+            wrapped = "auto_functionalized" in str(node.target)
+            name = str(node.args[0] if wrapped else node.target)
+            if name.startswith("te_compile."):
+                out.append((name.split(".")[1], node))
+    return out
+
+
 def recipe_supported(name: str) -> tuple[bool, str]:
     """TE's own (supported, reason) for a recipe name of the tests ("none" needs nothing)."""
     from transformer_engine.pytorch import quantization as q

@@ -27,7 +27,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
 import te_compile
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, te_op_nodes
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -171,26 +171,12 @@ def trace_steps(model, steps: int = 2) -> JointRecorder:
     return recorder
 
 
-def te_ops(graphs) -> list[tuple[str, object]]:
-    """(op name without namespace/overload, node) for every te_compile op in `graphs`."""
-    out = []
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            wrapped = "auto_functionalized" in str(node.target)
-            name = str(node.args[0] if wrapped else node.target)
-            if name.startswith("te_compile."):
-                out.append((name.split(".")[1], node))
-    return out
-
-
 def check_graphs(rec: JointRecorder, recipe_name: str, breaks: int) -> set[str]:
     """One forward + one backward graph, 0 breaks, every GEMM op FP8 with the recipe; returns
     the te_compile op names of the forward graph."""
     assert breaks == 0, f"{breaks} graph breaks"
     assert (len(rec.fw), len(rec.bw)) == (1, 1), "expected 1 forward + 1 backward graph"
-    fw = te_ops(rec.fw)
+    fw = te_op_nodes(rec.fw)
     gemms = [node for name, node in fw if name in GEMM_OPS]
     assert gemms, f"no te_compile GEMM op: {sorted({n for n, _ in fw})}"
     for node in gemms:
@@ -200,7 +186,9 @@ def check_graphs(rec: JointRecorder, recipe_name: str, breaks: int) -> set[str]:
             if isinstance(a, str) and a.startswith("kind=")
         }
         assert kinds == {f"kind={recipe_name}"}, f"{node}: {kinds}"
-    assert any(name.endswith("_bwd") for name, _ in te_ops(rec.bw)), "no te_compile backward op"
+    assert any(name.endswith("_bwd") for name, _ in te_op_nodes(rec.bw)), (
+        "no te_compile backward op"
+    )
     return {name for name, _ in fw}
 
 
@@ -256,7 +244,7 @@ def test_te_transformer_layer_llama_traces(recipe_name, patched, accelerate_stat
     # LayerNormLinear (QKV), Linear (proj, LM head), LayerNormMLP, TE's RoPE and attention
     assert {"layernorm_linear_fwd", "linear_fwd", "layernorm_mlp_fwd"} <= names, names
     assert {"fused_rope_fwd", "fused_attn_fwd"} <= names, names
-    bw = {name for name, _ in te_ops(rec.bw)}
+    bw = {name for name, _ in te_op_nodes(rec.bw)}
     assert {"layernorm_linear_bwd", "linear_bwd", "layernorm_mlp_bwd"} <= bw, bw
 
 

@@ -21,7 +21,7 @@ from conftest import example_models
 from transformer_engine.common import recipe as R
 
 import te_compile
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, te_op_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
@@ -61,20 +61,6 @@ CASES = [
 GEMM_OPS = ("linear_fwd", "layernorm_linear_fwd", "layernorm_mlp_fwd")
 
 
-def te_nodes(graphs):
-    """(op name without namespace/overload, node) for every te_compile op in `graphs`."""
-    out = []
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if node.op != "call_function":
-                continue
-            wrapped = "auto_functionalized" in str(node.target)
-            name = str(node.args[0] if wrapped else node.target)
-            if name.startswith("te_compile."):
-                out.append((name.split(".")[1], node))
-    return out
-
-
 def quant_kinds(node) -> set[str]:
     args = [*node.args, *node.kwargs.values()]
     return {a.split(";")[0] for a in args if isinstance(a, str) and a.startswith("kind=")}
@@ -105,7 +91,7 @@ def trace_training(model_name: str, recipe_name: str, steps: int = 2) -> JointRe
 def test_training_step_traces_fullgraph(model_name, recipe_name, patched):
     rec = trace_training(model_name, recipe_name)
     assert (len(rec.fw), len(rec.bw)) == (1, 1), "expected 1 forward + 1 backward graph"
-    fw, bw = te_nodes(rec.fw), te_nodes(rec.bw)
+    fw, bw = te_op_nodes(rec.fw), te_op_nodes(rec.bw)
     fw_names, bw_names = {n for n, _ in fw}, {n for n, _ in bw}
     # TransformerLayer: LayerNormLinear (QKV), Linear (proj), LayerNormMLP; final TE norm.
     assert {"layernorm_linear_fwd", "linear_fwd", "layernorm_mlp_fwd"} <= fw_names, fw_names
