@@ -8,8 +8,9 @@ the same model; after default-mode compiled steps; with gradient accumulation (2
 step); with an eval forward (no grad, model.eval()) between training steps. Checked: torch's
 cudagraph skip counter stays 0, no "overwritten" error, every loss and the final weights and
 DelayedScaling state bit-identical to the same sequence compiled in default mode (CUDA graphs
-change nothing), and the losses within 1e-2 of eager TE's (the whole model's inductor kernels
-round differently from eager's: measured on an H100, bf16 4.6e-3 at most over 6 steps).
+change nothing), and for the first sequence the losses within 2.5e-2 of eager TE's (the whole
+model's inductor kernels round differently from eager's: measured on an H100, 4.6e-3 at most
+over 6 steps). About 20 s a case on an H100 (two compiled runs of the sequence).
 
 Run: `python -m pytest tests/gpu/test_cudagraph_loops_gpu.py -m gpu`.
 """
@@ -130,9 +131,6 @@ def eager_rounding(monkeypatch):
 def test_cuda_graphs_whatever_ran_before(recipe_name, sequence, patched, eager_rounding):
     skip_unless_supported(recipe_name)
     recipe = recipe_for(recipe_name)
-    eager, _ = run_sequence(sequence, recipe, compiled=False)
-    FGS.reset()
-    torch._dynamo.reset()
     default, default_state = run_sequence(sequence, recipe, compiled=True, graphs=False)
     FGS.reset()
     torch._dynamo.reset()
@@ -143,7 +141,10 @@ def test_cuda_graphs_whatever_ran_before(recipe_name, sequence, patched, eager_r
     assert torch.equal(graphed, default), (graphed - default).abs().max()
     for a, b in zip(graphed_state, default_state, strict=True):
         assert torch.equal(a, b)
-    assert (graphed - eager).abs().max() < 1e-2, (graphed - eager).abs().max()
+    if sequence == "fresh":  # and near eager TE (the other sequences only add phases)
+        FGS.reset()
+        eager, _ = run_sequence(sequence, recipe, compiled=False)
+        assert (graphed - eager).abs().max() < 2.5e-2, (graphed - eager).abs().max()
 
 
 # ---- the issue's loop: a bare stack of TransformerLayers, its input requiring grad -----------
