@@ -160,7 +160,7 @@ def _check_weight(name: str, w, cfg: QuantConfig) -> None:
             f"{type(quantizer).__name__}, which {_RECIPES[cfg.kind]} (the autocast's recipe) "
             "does not use; check the recipes of quantized_model_init() and te.autocast()"
         )
-    if w._fp8_dtype != te_fp8_dtype(cfg.dtypes[1]):
+    if _dtype_value(w._fp8_dtype) != _dtype_value(te_fp8_dtype(cfg.dtypes[1])):
         raise gemm_common.unsupported(
             name,
             "an FP8 parameter whose FP8 dtype is not the autocast recipe's weight dtype",
@@ -184,6 +184,16 @@ def _check_weight(name: str, w, cfg: QuantConfig) -> None:
                 "an FP8 block-scaled parameter without both row-wise and column-wise data",
                 "create the parameters with grad enabled (both usages)",
             )
+
+
+def _dtype_value(dtype) -> int:
+    """A TE dtype's integer value, the same for TE's `DType` (IntEnum: what TE 2.20 stores as
+    a parameter's `_fp8_dtype`) and `transformer_engine_torch.DType` (pybind11 enum: what
+    te_fp8_dtype returns, and older TE's `_fp8_dtype`). Compared as ints because dynamo may
+    compare the two enums wrongly: torch 2.11's dynamo skips DType's `__eq__`/`__ne__`
+    (which compare by integer value) and finds `DType.kFloat8E4M3 != tex.DType.kFloat8E4M3`
+    true, and `int()` of a pybind11 enum does not trace there; `.value` traces for both."""
+    return dtype.value
 
 
 # ---- operands ----------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import torch
 import transformer_engine.pytorch as te
 import transformer_engine_torch as tex
 from transformer_engine.common import recipe as R
+from transformer_engine.pytorch.constants import DType
 from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockwiseQTensor
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Float8Tensor
 
@@ -291,13 +292,48 @@ def test_recipe_mismatch_raises_as_eager_te(patched):
             _call(model, R.DelayedScaling())
 
 
-def test_refuses_fp8_dtype_other_than_the_recipes(patched):
+# A parameter's `_fp8_dtype` as TE 2.20 stores it (its Python DType, an IntEnum: Float8Tensor's
+# constructor casts to it) and as older TE did (transformer_engine_torch.DType, pybind11).
+# torch 2.11's dynamo compared the former with the pybind11 enum te_compile names the recipe's
+# dtype by as unequal, refusing every TE-made parameter; the check compares integer values.
+DTYPE_ENUMS = {"te_dtype": DType, "tex_dtype": tex.DType}
+
+
+@pytest.mark.parametrize("enum", list(DTYPE_ENUMS))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_accepts_the_recipes_fp8_dtype_in_either_enum(name, enum, patched, graph_breaks):
     with te_compile.simulate_gpu("hopper"):
-        recipe = R.Float8CurrentScaling()
+        recipe = RECIPES[name]()
         model = fp8_model(linear, recipe)
-        model.weight._fp8_dtype = tex.DType.kFloat8E5M2
+        assert type(model.weight._fp8_dtype) is DType  # as TE makes it
+        model.weight._fp8_dtype = DTYPE_ENUMS[enum].kFloat8E4M3
+        _call(model, recipe)
+    assert graph_breaks() == 0
+
+
+@pytest.mark.parametrize("enum", list(DTYPE_ENUMS))
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_refuses_fp8_dtype_other_than_the_recipes(name, enum, patched):
+    with te_compile.simulate_gpu("hopper"):
+        recipe = RECIPES[name]()
+        model = fp8_model(linear, recipe)
+        model.weight._fp8_dtype = DTYPE_ENUMS[enum].kFloat8E5M2
         with pytest.raises(Exception, match="FP8 dtype is not the autocast recipe's"):
             _call(model, recipe)
+
+
+def test_fp8_dtype_values_compare_under_dynamo():
+    """The check's comparison traced on its own: TE's DType and tex.DType by integer value."""
+
+    def same(a, b, x):
+        return x + 1 if fp8_params._dtype_value(a) == fp8_params._dtype_value(b) else x - 1
+
+    step = torch.compile(same, backend="eager", fullgraph=True)
+    e4m3, e5m2 = DType.kFloat8E4M3, tex.DType.kFloat8E5M2
+    assert step(e4m3, tex.DType.kFloat8E4M3, torch.zeros(1)).item() == 1
+    assert step(tex.DType(int(e4m3)), e4m3, torch.zeros(1)).item() == 1
+    assert step(e4m3, e5m2, torch.zeros(1)).item() == -1
+    assert step(DType.kFloat8E5M2, e4m3, torch.zeros(1)).item() == -1
 
 
 def test_refuses_block_parameter_without_columnwise_data(patched):
