@@ -113,7 +113,9 @@ def test_eager_te_module_between_compiled_regions(name, patched):
 
 
 def _delayed_state(recipe):
-    """A te.Linear that ran one eager DelayedScaling step, with fresh amaxes in history row 0."""
+    """A te.Linear that ran one eager DelayedScaling step, with fresh amaxes in history row 0,
+    and its fp8_meta["scaling_fwd"]. Keep the module: the compiled update covers the state of
+    live TE GEMM modules only (persistent_state.compiled_buffer_positions)."""
     torch.manual_seed(0)
     linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
     x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
@@ -121,7 +123,7 @@ def _delayed_state(recipe):
         linear(x).sum().backward()
     meta = linear.fp8_meta["scaling_fwd"]
     meta.amax_history[0].copy_(torch.rand_like(meta.amax_history[0]) * 100)
-    return meta
+    return linear, meta
 
 
 @pytest.mark.parametrize(
@@ -141,14 +143,15 @@ def test_delayed_forward_update_matches_eager(recipe_kwargs, patched):
             return x * 2
 
     FGS.reset()
-    meta = _delayed_state(recipe)
+    linear, meta = _delayed_state(recipe)
     before = meta.amax_history.clone()
     step(x_cuda())  # eager TE: reduce_and_update_fp8_tensors(forward=True)
     eager = (meta.amax_history.clone(), meta.scale.clone())
 
     FGS.reset()
     torch._dynamo.reset()
-    meta = _delayed_state(recipe)
+    del linear
+    linear, meta = _delayed_state(recipe)
     meta.amax_history.copy_(before)
     torch.compile(step, backend=InductorRecorder(), fullgraph=True)(x_cuda())
     assert not torch.equal(meta.amax_history, before), "the update did not run"
