@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import types
 from unittest import mock
 
 import torch
@@ -128,15 +127,7 @@ def _simulated_cuda(arch: str):
             f"the inductor check needs torch._inductor and Triton, which do not import: {e}"
         ) from e
     gpu = simulated_gpu(arch)
-    props = types.SimpleNamespace(
-        name=gpu.name,
-        major=gpu.capability[0],
-        minor=gpu.capability[1],
-        multi_processor_count=gpu.sm_count,
-        total_memory=gpu.total_memory,
-        L2_cache_size=_L2.get(gpu.arch, 50 << 20),
-        **_PROPERTIES,
-    )
+    props = gpu.device_properties(L2_cache_size=_L2.get(gpu.arch, 50 << 20), **_PROPERTIES)
     cuda = device_interface.CudaInterface
     capability = gpu.capability[0] * 10 + gpu.capability[1]
     answers = {

@@ -57,6 +57,17 @@ class SimulatedGPU:
     mxfp8: tuple[bool, str]
     nvfp4: tuple[bool, str]
 
+    def device_properties(self, **extra) -> types.SimpleNamespace:
+        """What torch.cuda.get_device_properties answers for this GPU (plus `extra` fields)."""
+        return types.SimpleNamespace(
+            name=self.name,
+            major=self.capability[0],
+            minor=self.capability[1],
+            multi_processor_count=self.sm_count,
+            total_memory=self.total_memory,
+            **extra,
+        )
+
     def te_support_answers(self) -> dict[str, tuple[bool, str]]:
         return {
             "_FP8_SUPPORT": (True, ""),
@@ -329,13 +340,7 @@ def simulate_gpu(arch: str = "hopper"):
         return
     from transformer_engine.pytorch import quantization, utils
 
-    props = types.SimpleNamespace(
-        name=gpu.name,
-        major=gpu.capability[0],
-        minor=gpu.capability[1],
-        multi_processor_count=gpu.sm_count,
-        total_memory=gpu.total_memory,
-    )
+    props = gpu.device_properties()
     # TE's own is an assume_constant_result function: keep that, compiled code differs.
     capability = torch.compiler.assume_constant_result(functools.partial(tuple, gpu.capability))
     cuda = torch.cuda
