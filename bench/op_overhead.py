@@ -62,9 +62,9 @@ def main() -> None:
         with torch.no_grad():
             cells = [
                 per_call_us(lambda a=fwd: torch.ops.te_compile.linear_fwd.default(*a)),
-                per_call_us(lambda a=fwd: ops.linear_fwd(*a)),
+                per_call_us(lambda a=fwd: ops.linear_fwd.impl(*a)),
                 per_call_us(lambda a=bwd: torch.ops.te_compile.linear_bwd.default(*a)),
-                per_call_us(lambda a=bwd: ops.linear_bwd(*a)),
+                per_call_us(lambda a=bwd: ops.linear_bwd.impl(*a)),
             ]
         print(f"| {name} | " + " | ".join(f"{c:.1f}" for c in cells) + " |", flush=True)
 

@@ -10,11 +10,12 @@ not a rebuild. This module reads TE recipe objects but never touches a device.
 
 from __future__ import annotations
 
-import functools
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
+
+from .spec import Spec, labelled, spec
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
@@ -25,33 +26,33 @@ _DTYPES = ("e4m3", "e5m2", "e2m1")  # e2m1: NVFP4's FP4
 _DEFAULT_SPLIT_ACC = (False, True, True)
 
 
-@dataclass(frozen=True)
-class QuantConfig:
+@spec
+class QuantConfig(Spec):
     """One layer's quantization setup. Per-role tuples follow `ROLES`; `split_acc` is
     (fprop, dgrad, wgrad)."""
 
     kind: str = "none"
     dtypes: tuple[str, str, str] = ("e4m3", "e4m3", "e5m2")
     pow2: tuple[bool, bool, bool] = (False, False, False)
-    amax_eps: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    amax_eps: tuple[float, float, float] = labelled("eps", (0.0, 0.0, 0.0))
     # 1-D or 2-D block scaling per role: Float8BlockScaling's x/w/grad_block_scaling_dim,
     # MXFP8's and NVFP4's with_2d_quantization (2 = on). Unused by per-tensor kinds.
-    block_dims: tuple[int, int, int] = (1, 2, 1)
-    split_acc: tuple[bool, bool, bool] = _DEFAULT_SPLIT_ACC
+    block_dims: tuple[int, int, int] = labelled("blocks", (1, 2, 1))
+    split_acc: tuple[bool, bool, bool] = labelled("acc", _DEFAULT_SPLIT_ACC)
     # Per-tensor FP8 keeps column-wise data as a separate transpose unless the GPU runs
     # non-TN FP8 GEMMs (TE's is_non_tn_fp8_gemm_supported): decides saved-tensor shapes.
-    fp8_transpose: bool = True
+    fp8_transpose: bool = labelled("transpose", True)
     # NVFP4 only: random Hadamard transform (with post-RHT amax) and stochastic rounding.
     rht: tuple[bool, bool, bool] = (False, False, False)
-    stochastic_rounding: tuple[bool, bool, bool] = (False, False, False)
+    stochastic_rounding: tuple[bool, bool, bool] = labelled("sr", (False, False, False))
     # DelayedScaling only: the amax/scale update the backward op runs on its own state
     # (amax_compute_algo, margin, TE's fused kernel or its Python fallback).
-    amax_algo: str = "max"
+    amax_algo: str = labelled("algo", "max")
     margin: float = 0.0
-    fused_update: bool = True
+    fused_update: bool = labelled("fused", True)
     # DelayedScaling with reduce_amax over > 1 rank: the name of the group the backward update
     # reduces amaxes over (ops/amax_groups.py); "" for none.
-    amax_group: str = ""
+    amax_group: str = labelled("group", "")
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -71,73 +72,6 @@ class QuantConfig:
     def per_tensor(self) -> bool:
         """One scale per tensor (Float8TensorStorage operands)."""
         return self.kind in ("current", "delayed")
-
-    @property
-    def key(self) -> str:
-        """The config as one canonical string: the ops' only recipe argument. (Built while
-        dynamo traces the module, so plain string formatting only.)"""
-        e = _encode
-        return (
-            f"kind={self.kind};dtypes={e(self.dtypes)};pow2={e(self.pow2)};"
-            f"eps={e(self.amax_eps)};blocks={e(self.block_dims)};acc={e(self.split_acc)};"
-            f"transpose={e(self.fp8_transpose)};rht={e(self.rht)};"
-            f"sr={e(self.stochastic_rounding)};algo={self.amax_algo};margin={e(self.margin)};"
-            f"fused={e(self.fused_update)};group={self.amax_group}"
-        )
-
-    @staticmethod
-    @functools.cache
-    def from_key(key: str) -> QuantConfig:
-        """Inverse of `key`, cached: ops call it on every run."""
-        values = dict(item.split("=", 1) for item in key.split(";"))
-        kwargs = {}
-        for f in fields(QuantConfig):
-            raw, default = values[_SHORT[f.name]], getattr(_DEFAULT, f.name)
-            kwargs[f.name] = _decode(raw, default)
-        cfg = QuantConfig(**kwargs)
-        if cfg.key != key:
-            raise ValueError(f"not a canonical QuantConfig key: {key!r}")
-        return cfg
-
-
-# Short field names for `QuantConfig.key`, in field order.
-_SHORT = {
-    "kind": "kind",
-    "dtypes": "dtypes",
-    "pow2": "pow2",
-    "amax_eps": "eps",
-    "block_dims": "blocks",
-    "split_acc": "acc",
-    "fp8_transpose": "transpose",
-    "rht": "rht",
-    "stochastic_rounding": "sr",
-    "amax_algo": "algo",
-    "margin": "margin",
-    "fused_update": "fused",
-    "amax_group": "group",
-}
-
-
-def _encode(value) -> str:
-    if isinstance(value, tuple):
-        return ",".join(_encode(v) for v in value)
-    if isinstance(value, bool):
-        return str(int(value))
-    if isinstance(value, float):
-        return repr(value)
-    return str(value)
-
-
-def _decode(raw: str, like):
-    """Parse `raw` as a value of the same type as the default `like`."""
-    if isinstance(like, tuple):
-        return tuple(_decode(r, like[0]) for r in raw.split(","))
-    if isinstance(like, bool):
-        return bool(int(raw))
-    return type(like)(raw)
-
-
-_DEFAULT = QuantConfig()
 
 
 @torch.compiler.assume_constant_result

@@ -21,6 +21,7 @@ of what `forward` saves. Arguments are those eager TE's `_linear_forward_impl` /
 from __future__ import annotations
 
 import contextlib
+from types import SimpleNamespace
 
 import torch
 
@@ -304,11 +305,18 @@ def quantize_grad_output(
     return g_fp8, dbias
 
 
-def update_backward_state(bwd_scale: torch.Tensor, bwd_history: torch.Tensor, cfg: QuantConfig):
-    """DelayedScaling's backward amax/scale update of one module's state. Eager TE updates every
-    registered backward state once, at the end of the first FP8 module's backward; per
-    (history, scale) pair that is this update at the end of the module's own backward (see
-    docs/architecture.md for when the two differ)."""
+def backward_state(cfg: QuantConfig, bwd_scale, bwd_history):
+    """DelayedScaling's [scale, latest amaxes] of the backward slots (row 0 of the history)."""
+    return [bwd_scale, bwd_history[0]] if cfg.fp8 and bwd_history is not None else None
+
+
+def update_backward_state(cfg: QuantConfig, bwd_scale, bwd_history) -> None:
+    """DelayedScaling's backward amax/scale update of one module's state (none without it).
+    Eager TE updates every registered backward state once, at the end of the first FP8
+    module's backward; per (history, scale) pair that is this update at the end of the module's
+    own backward (see docs/architecture.md for when the two differ)."""
+    if bwd_history is None:
+        return
     update_amax_and_scale(
         [bwd_history],
         [bwd_scale],
@@ -318,3 +326,36 @@ def update_backward_state(bwd_scale: torch.Tensor, bwd_history: torch.Tensor, cf
         cfg.fused_update,
         reduce_group=cfg.amax_group,
     )
+
+
+# ---- the op envelope: what every GEMM op's results and autograd context share -----------------
+
+
+def results(like: torch.Tensor, dtype: torch.dtype, *tensors) -> tuple[torch.Tensor, ...]:
+    """A backward op's results: a result not computed is an empty [0] tensor (an op's outputs
+    may not be None, nor alias each other)."""
+    return tuple(like.new_empty([0], dtype=dtype) if t is None else t for t in tensors)
+
+
+def fake_results(like: torch.Tensor, dtype: torch.dtype, *shapes) -> tuple[torch.Tensor, ...]:
+    """`results`' fake twin: (shape, computed) per result."""
+    return tuple(
+        like.new_empty(shape if computed else [0], dtype=dtype) for shape, computed in shapes
+    )
+
+
+def ride_along(a) -> SimpleNamespace:
+    """What a GEMM op's backward reads from its forward call's arguments `a`, besides saved
+    tensors: the plain values, and the state backward mutates (DelayedScaling's backward state,
+    main_grad). Mutable state rides on ctx, not save_for_backward: backward mutates it in place,
+    which the saved-tensor version check would reject."""
+    return SimpleNamespace(
+        **{k: v for k, v in vars(a).items() if k in _MUTATED_IN_BACKWARD or not _holds_tensor(v)}
+    )
+
+
+_MUTATED_IN_BACKWARD = frozenset({"bwd_state", "main_grad", "fc1_main_grad", "fc2_main_grad"})
+
+
+def _holds_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor) or (isinstance(v, list) and bool(v))

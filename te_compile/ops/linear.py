@@ -1,18 +1,13 @@
 """te.Linear's forward and backward as custom ops running TE's own kernels.
 
-    te_compile::linear_fwd(inp, weight, bias?, fwd_state, bwd_state, weight_cache, main_grad?,
-                           config, out_dtype, save_input, save_weight, accumulate)
-        -> [out, *input_parts, *weight_parts] (+ [fwd_amax] with DelayedScaling)
-    te_compile::linear_bwd(grad_out, inp?, weight?, bias?, input_parts, weight_parts,
-                           bwd_scale!?, bwd_history!?, main_grad!?, config, out_dtype,
-                           in_features, has_bias, needs_dgrad, needs_wgrad, accumulate)
-        -> (dgrad, wgrad, dbias), each empty ([0]) when not computed (a mutating op may not
-           return a list)
-    te_compile::quantize_weight(weight, cache!, valid!, fwd_scale?, fwd_amax!?, config, refresh)
+    linear_fwd -> [out, *input_parts, *weight_parts] (+ [fwd_amax] with DelayedScaling)
+    linear_bwd -> (dgrad, wgrad, dbias), each empty ([0]) when not computed (a mutating op may
+                  not return a list)
+    quantize_weight: fills an FP8 weight cache in place
 
-`config` is `QuantConfig.key` (one string, decoded by a cached lookup); `!` marks tensors
-mutated in place: DelayedScaling's TE-owned scale and amax history, an FP8 weight cache,
-`weight.main_grad` under fuse_wgrad_accumulation.
+`config` is `QuantConfig.key` (recipes.py). Mutated in place (`mutates`): DelayedScaling's
+TE-owned backward scale and amax history, an FP8 weight cache, `weight.main_grad` under
+fuse_wgrad_accumulation.
 
 linear_fwd carries an autograd formula, so it may not mutate: with DelayedScaling it returns the
 new forward amaxes for the caller to write back. With FP8, forward also returns what backward
@@ -27,34 +22,36 @@ pass (TE 2.20.2); fuse_wgrad_accumulation writes the wgrad GEMM into `main_grad`
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..recipes import QuantConfig
-from . import gemm_layer, registry
+from . import gemm_layer
 from .fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
+from .registry import op
 
-# ---- forward -----------------------------------------------------------------------------------
 
-
+@op()
 def linear_fwd(
-    inp: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    fwd_state: list[torch.Tensor],
-    bwd_state: list[torch.Tensor],
-    weight_cache: list[torch.Tensor],
-    main_grad: torch.Tensor | None,
+    inp: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    fwd_state: list[Tensor],
+    bwd_state: list[Tensor],
+    weight_cache: list[Tensor],
+    main_grad: Tensor | None,
     config: str,
     out_dtype: torch.dtype,
     save_input: bool,
     save_weight: bool,
     accumulate: bool,
-) -> list[torch.Tensor]:
+) -> list[Tensor]:
     """y = inp @ weight.T + bias, with FP8 operands when the config's kind is not "none".
 
     DelayedScaling only: `fwd_state` = [scale] (a snapshot of TE's `scale` of the forward
     slots); the op quantizes with those scales and returns this call's amaxes last, for the
-    caller to max-merge into TE's history (row 0). `bwd_state` = [scale, amax_history] of the backward slots and `main_grad` (with
-    `accumulate`, see linear_bwd) are unused here: they ride along to the backward op."""
+    caller to max-merge into TE's history (row 0). `bwd_state` = [scale, amax_history] of the
+    backward slots and `main_grad` (with `accumulate`, see linear_bwd) ride along to the
+    backward op."""
     cfg = QuantConfig.from_key(config)
     state = gemm_layer.fresh_amax_state(fwd_state)
     out, saved = gemm_layer.forward(
@@ -73,45 +70,29 @@ def linear_fwd(
     return [out, *saved, *([state[1]] if state else [])]
 
 
-def _linear_fwd_fake(
-    inp,
-    weight,
-    bias,
-    fwd_state,
-    bwd_state,
-    weight_cache,
-    main_grad,
-    config,
-    out_dtype,
-    save_input,
-    save_weight,
-    accumulate,
-):
-    cfg = QuantConfig.from_key(config)
-    out = inp.new_empty([*inp.shape[:-1], weight.shape[0]], dtype=out_dtype)
+@linear_fwd.fake
+def _(a):
+    cfg = QuantConfig.from_key(a.config)
+    out = a.inp.new_empty([*a.inp.shape[:-1], a.weight.shape[0]], dtype=a.out_dtype)
     saved = gemm_layer.fake_saved_parts(
-        inp.shape,
-        weight.shape,
+        a.inp.shape,
+        a.weight.shape,
         cfg,
-        save_input=save_input,
-        save_weight=save_weight,
-        weight_cache=weight_cache,
-        like=inp,
+        save_input=a.save_input,
+        save_weight=a.save_weight,
+        weight_cache=a.weight_cache,
+        like=a.inp,
     )
-    if fwd_state:
-        saved.append(torch.empty_like(fwd_state[0]))
-    return [out, *saved]
+    return [out, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]  # the amaxes
 
 
-# ---- FP8 weight cache --------------------------------------------------------------------------
-
-
+@op(mutates=("cache", "valid", "fwd_amax"))
 def quantize_weight(
-    weight: torch.Tensor,
-    cache: list[torch.Tensor],
-    valid: torch.Tensor,
-    fwd_scale: torch.Tensor | None,
-    fwd_amax: torch.Tensor | None,
+    weight: Tensor,
+    cache: list[Tensor],
+    valid: Tensor,
+    fwd_scale: Tensor | None,
+    fwd_amax: Tensor | None,
     config: str,
     refresh: bool,
 ) -> None:
@@ -130,23 +111,20 @@ def quantize_weight(
     valid.fill_(1.0)
 
 
-def _quantize_weight_fake(weight, cache, valid, fwd_scale, fwd_amax, config, refresh) -> None:
-    return None
+quantize_weight.fake(lambda a: None)
 
 
-# ---- backward ----------------------------------------------------------------------------------
-
-
+@op(mutates=("bwd_scale", "bwd_history", "main_grad"))
 def linear_bwd(
-    grad_out: torch.Tensor,
-    inp: torch.Tensor | None,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    input_parts: list[torch.Tensor],
-    weight_parts: list[torch.Tensor],
-    bwd_scale: torch.Tensor | None,
-    bwd_history: torch.Tensor | None,
-    main_grad: torch.Tensor | None,
+    grad_out: Tensor,
+    inp: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    input_parts: list[Tensor],
+    weight_parts: list[Tensor],
+    bwd_scale: Tensor | None,
+    bwd_history: Tensor | None,
+    main_grad: Tensor | None,
     config: str,
     out_dtype: torch.dtype,
     in_features: int,
@@ -154,26 +132,22 @@ def linear_bwd(
     needs_dgrad: bool,
     needs_wgrad: bool,
     accumulate: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
     bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
     carry the operands. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
     it, adding to its contents when `accumulate`, and the returned wgrad is empty."""
     cfg = QuantConfig.from_key(config)
     g = grad_out.reshape(-1, grad_out.shape[-1])
-    if not g.is_contiguous():
-        g = g.contiguous()
-    # DelayedScaling: the latest amaxes are row 0 of the history
-    state = [bwd_scale, bwd_history[0]] if cfg.fp8 and bwd_history is not None else None
     dgrad, wgrad, dbias = gemm_layer.backward(
-        g,
+        g if g.is_contiguous() else g.contiguous(),
         cfg,
         x=inp,
         weight=weight,
         bias=bias,
         input_parts=input_parts,
         weight_parts=weight_parts,
-        state=state,
+        state=gemm_layer.backward_state(cfg, bwd_scale, bwd_history),
         main_grad=main_grad,
         out_dtype=out_dtype,
         has_bias=has_bias,
@@ -182,168 +156,81 @@ def linear_bwd(
         accumulate=accumulate,
         device_index=grad_out.device.index,
     )
-    if bwd_history is not None:
-        gemm_layer.update_backward_state(bwd_scale, bwd_history, cfg)
-
-    def none():  # a result not asked for (outputs of one op may not alias each other)
-        return grad_out.new_empty([0], dtype=out_dtype)
-
+    gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
     if dgrad is not None:
         dgrad = dgrad.view([*grad_out.shape[:-1], in_features])
-    return (
-        none() if dgrad is None else dgrad,
-        none() if wgrad is None else wgrad,
-        none() if dbias is None else dbias,
-    )
+    return gemm_layer.results(grad_out, out_dtype, dgrad, wgrad, dbias)
 
 
-def _linear_bwd_fake(
-    grad_out,
-    inp,
-    weight,
-    bias,
-    input_parts,
-    weight_parts,
-    bwd_scale,
-    bwd_history,
-    main_grad,
-    config,
-    out_dtype,
-    in_features,
-    has_bias,
-    needs_dgrad,
-    needs_wgrad,
-    accumulate,
-):
-    cfg = QuantConfig.from_key(config)
-    out_features = grad_out.shape[-1]
-
-    def empty(shape, wanted: bool):
-        return grad_out.new_empty(shape if wanted else [0], dtype=out_dtype)
-
-    return (
-        empty([*grad_out.shape[:-1], in_features], needs_dgrad),
-        empty([out_features, in_features], needs_wgrad and main_grad is None),
-        empty([out_features], gemm_layer.returns_dbias(cfg, has_bias, needs_wgrad)),
+@linear_bwd.fake
+def _(a):
+    cfg = QuantConfig.from_key(a.config)
+    out_features = a.grad_out.shape[-1]
+    return gemm_layer.fake_results(
+        a.grad_out,
+        a.out_dtype,
+        ([*a.grad_out.shape[:-1], a.in_features], a.needs_dgrad),
+        ([out_features, a.in_features], a.needs_wgrad and a.main_grad is None),
+        ([out_features], gemm_layer.returns_dbias(cfg, a.has_bias, a.needs_wgrad)),
     )
 
 
 # ---- autograd ----------------------------------------------------------------------------------
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    (
-        inp,
-        weight,
-        bias,
-        fwd_state,
-        bwd_state,
-        weight_cache,
-        main_grad,
-        config,
-        out_dtype,
-        save_input,
-        save_weight,
-        accumulate,
-    ) = inputs
-    cfg = QuantConfig.from_key(config)
-    ctx.config = config
-    ctx.n_fwd_state = len(fwd_state)
-    ctx.n_weight_cache = len(weight_cache)
-    # Mutable state rides on ctx, not save_for_backward: backward mutates it in place, which
-    # the saved-tensor version check would reject.
-    ctx.bwd_state = bwd_state
-    ctx.main_grad = main_grad
-    ctx.accumulate = accumulate
-    ctx.out_dtype = out_dtype
-    ctx.in_features = weight.shape[1]
-    ctx.has_bias = bias is not None
-    ctx.n_input_parts = columnwise_count(cfg) if save_input else 0
+def _setup_context(ctx, a, output) -> None:
+    cfg = QuantConfig.from_key(a.config)
+    ctx.a = gemm_layer.ride_along(a)  # the scalars and the state backward mutates
+    ctx.in_features = a.weight.shape[1]
+    ctx.has_bias = a.bias is not None
+    ctx.n_input_parts = columnwise_count(cfg) if a.save_input else 0
     ctx.mark_non_differentiable(*output[1:])
-    saved = list(output[1 : len(output) - (1 if fwd_state else 0)])  # not the returned amaxes
+    saved = list(output[1 : len(output) - len(a.fwd_state[:1])])  # not the returned amaxes
     if cfg.fp8:
-        if save_weight and weight_cache:
-            saved += weight_cache_columnwise(weight_cache, cfg)
+        if a.save_weight and a.weight_cache:
+            saved += weight_cache_columnwise(a.weight_cache, cfg)
         ctx.save_for_backward(None, None, None, *saved)
     else:
         # The op's own inputs; the dtype cast is redone in backward (same bits, no copy kept).
         ctx.save_for_backward(
-            inp if save_input else None,
-            weight if save_weight else None,
-            bias,
+            a.inp if a.save_input else None, a.weight if a.save_weight else None, a.bias
         )
 
 
-def _no_grads(ctx) -> tuple:
-    """None for every input after (inp, weight, bias); tensor-list inputs get lists of None."""
-    return (
-        [None] * ctx.n_fwd_state,
-        [None] * len(ctx.bwd_state),
-        [None] * ctx.n_weight_cache,
-        None,  # main_grad
-        None,  # config
-        None,  # out_dtype
-        None,  # save_input
-        None,  # save_weight
-        None,  # accumulate
-    )
-
-
 def _backward(ctx, grads):
-    needs_dgrad, needs_wgrad, needs_dbias = ctx.needs_input_grad[:3]
     grad_out = grads[0]
-    nones = _no_grads(ctx)
+    needs_dgrad, needs_wgrad, needs_dbias = ctx.needs_input_grad[:3]
     if grad_out is None or not (needs_dgrad or needs_wgrad or needs_dbias):
-        return None, None, None, *nones
+        return {}
+    a = ctx.a
     inp, weight, bias, *parts = ctx.saved_tensors
     n = ctx.n_input_parts
-    dgrad, wgrad, dbias = torch.ops.te_compile.linear_bwd(
+    dgrad, wgrad, dbias = linear_bwd(
         grad_out,
         inp,
         weight,
         bias,
         parts[:n],
         parts[n:],
-        *(ctx.bwd_state or [None, None]),
-        ctx.main_grad,
-        ctx.config,
-        ctx.out_dtype,
+        *(a.bwd_state or [None, None]),
+        a.main_grad,
+        a.config,
+        a.out_dtype,
         ctx.in_features,
         ctx.has_bias,
         needs_dgrad,
         needs_wgrad,
-        ctx.accumulate,
+        a.accumulate,
     )
-    cfg = QuantConfig.from_key(ctx.config)
-    dgrad = dgrad if needs_dgrad else None
-    # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
-    wgrad = wgrad if needs_wgrad and ctx.main_grad is None else None
-    dbias = dbias if gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None
-    return dgrad, wgrad, dbias if needs_dbias else None, *nones
+    cfg = QuantConfig.from_key(a.config)
+    return {
+        "inp": dgrad if needs_dgrad else None,
+        # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
+        "weight": wgrad if needs_wgrad and a.main_grad is None else None,
+        "bias": dbias
+        if needs_dbias and gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad)
+        else None,
+    }
 
 
-# ---- registration ------------------------------------------------------------------------------
-
-LINEAR_FWD = registry.define(
-    "linear_fwd(Tensor inp, Tensor weight, Tensor? bias, Tensor[] fwd_state, "
-    "Tensor[] bwd_state, Tensor[] weight_cache, Tensor? main_grad, str config, "
-    "ScalarType out_dtype, bool save_input, bool save_weight, bool accumulate) -> Tensor[]",
-    linear_fwd,
-    _linear_fwd_fake,
-)
-registry.register_autograd(LINEAR_FWD, _backward, _setup_context)
-LINEAR_BWD = registry.define(
-    "linear_bwd(Tensor grad_out, Tensor? inp, Tensor? weight, Tensor? bias, "
-    "Tensor[] input_parts, Tensor[] weight_parts, Tensor(a!)? bwd_scale, "
-    "Tensor(b!)? bwd_history, Tensor(c!)? main_grad, str config, ScalarType out_dtype, "
-    "int in_features, bool has_bias, bool needs_dgrad, bool needs_wgrad, bool accumulate) "
-    "-> (Tensor, Tensor, Tensor)",
-    linear_bwd,
-    _linear_bwd_fake,
-)
-QUANTIZE_WEIGHT = registry.define(
-    "quantize_weight(Tensor weight, Tensor(a!)[] cache, Tensor(b!) valid, Tensor? fwd_scale, "
-    "Tensor(c!)? fwd_amax, str config, bool refresh) -> ()",
-    quantize_weight,
-    _quantize_weight_fake,
-)
+linear_fwd.autograd(_setup_context, _backward)

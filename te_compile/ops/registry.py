@@ -1,16 +1,25 @@
-"""Op registration through `torch.library.Library` (define + impl), with fake kernels and
-autograd formulas from `torch.library.register_fake` / `register_autograd`.
+"""Each op declared once: its typed Python implementation is the single source of its schema,
+its fake kernel's arguments, its autograd context's unpacking and its None-gradient padding.
 
-Why not `torch.library.custom_op`: its Python wrapper (schema inference, a Python backend
-kernel that re-checks output aliasing on every call) costs tens of microseconds per call on the
-hot path of every compiled step (bench/op_overhead.py); a schema written out and a Python
-kernel registered for CUDA costs a few. The schema also documents the op: types, and `(a!)`
-on every tensor the op mutates in place.
+    @op(mutates=("cache", "valid"))
+    def quantize_weight(weight: Tensor, cache: list[Tensor], valid: Tensor, config: str) -> None:
+        ...
+
+    @quantize_weight.fake
+    def _(a):            # `a.weight`, `a.cache`, ...: the call's arguments by name
+        return None
+
+The schema comes from `torch.library.infer_schema` (mutated arguments marked `(a!)`) and is
+registered through `torch.library.Library.define` with the implementation as the CUDA kernel:
+`torch.library.custom_op`'s Python wrapper would re-check aliasing on every call, tens of
+microseconds of CPU per op in every compiled step (bench/op_overhead.py); this costs a few.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import torch
 
@@ -18,9 +27,70 @@ NAMESPACE = "te_compile"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 
 
+class Op:
+    """A registered custom op; call it like the function it was declared from."""
+
+    def __init__(self, impl: Callable, mutates: tuple[str, ...]):
+        self.name = impl.__name__
+        self.signature = inspect.signature(impl)
+        self.params = tuple(self.signature.parameters)
+        unknown = set(mutates) - set(self.params)
+        if unknown:
+            raise ValueError(f"{self.name}: mutates names no argument: {sorted(unknown)}")
+        schema = torch.library.infer_schema(impl, mutates_args=mutates)
+        _LIB.define(self.name + schema)
+        _LIB.impl(self.name, impl, "CUDA")
+        self.impl = impl
+        self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
+
+    def __call__(self, *args, **kwargs):
+        return self.overload(*args, **kwargs)
+
+    def args(self, args: tuple, kwargs: dict | None = None) -> SimpleNamespace:
+        """The call's arguments by name."""
+        bound = self.signature.bind(*args, **(kwargs or {}))
+        bound.apply_defaults()
+        return SimpleNamespace(**bound.arguments)
+
+    def fake(self, fn: Callable[[SimpleNamespace], object]) -> Callable:
+        """Register `fn(a)` (arguments by name) as the fake (and meta) kernel."""
+        torch.library.register_fake(
+            f"{NAMESPACE}::{self.name}", lambda *args, **kw: fn(self.args(args, kw)), lib=_LIB
+        )
+        return fn
+
+    def autograd(self, setup_context: Callable, backward: Callable) -> None:
+        """`setup_context(ctx, a, output)` gets the arguments by name; `backward(ctx, *grads)`
+        returns {argument name: gradient} for the differentiable inputs it computed. Every other
+        argument gets None (a tensor list: a list of None of its length)."""
+        params = self.params
+
+        def _setup(ctx, inputs, output):
+            ctx.list_lengths = [len(v) if isinstance(v, list) else -1 for v in inputs]
+            setup_context(ctx, self.args(inputs), output)
+
+        def _backward(ctx, *grads):
+            got = backward(ctx, *grads)
+            return tuple(
+                got[name] if name in got else (None if n < 0 else [None] * n)
+                for name, n in zip(params, ctx.list_lengths, strict=True)
+            )
+
+        torch.library.register_autograd(
+            f"{NAMESPACE}::{self.name}", _backward, setup_context=_setup, lib=_LIB
+        )
+
+
+def op(*, mutates: tuple[str, ...] = ()) -> Callable[[Callable], Op]:
+    """Declare `te_compile::<function name>` from the decorated, fully annotated function."""
+    return lambda impl: Op(impl, mutates)
+
+
+
+# ---- legacy (ops not yet declared with `op`; removed once none is left) ------------------------
+
+
 def define(schema: str, impl: Callable, fake: Callable):
-    """Register `NAMESPACE::<schema>` with `impl` as its CUDA kernel and `fake` as its fake
-    (and meta) kernel; returns the op's overload packet (`torch.ops.te_compile.<name>`)."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     _LIB.impl(name, impl, "CUDA")

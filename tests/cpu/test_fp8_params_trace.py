@@ -29,7 +29,7 @@ from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer, Flo
 
 import te_compile
 from te_compile.modules import fp8_params
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, op_args
 
 pytestmark = [
     pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing"),
@@ -44,9 +44,13 @@ RECIPES = {
 H, FFN, TOKENS = 128, 256, 64
 BF16 = torch.bfloat16
 GEMM_FWD = {
-    "te_compile.linear_fwd.default": ([1], [5]),  # (weight arguments, weight_cache arguments)
-    "te_compile.layernorm_linear_fwd.default": ([3], [7]),
-    "te_compile.layernorm_mlp_fwd.default": ([3, 5], [9, 10]),
+    # (weight arguments, weight cache arguments)
+    "te_compile.linear_fwd.default": (["weight"], ["weight_cache"]),
+    "te_compile.layernorm_linear_fwd.default": (["weight"], ["weight_cache"]),
+    "te_compile.layernorm_mlp_fwd.default": (
+        ["fc1_weight", "fc2_weight"],
+        ["fc1_cache", "fc2_cache"],
+    ),
 }
 
 
@@ -142,11 +146,12 @@ def check_reads_fp8_parts(rec, in_graph_transpose=False):
     assert nodes and "te_compile.quantize_weight.default" not in JointRecorder.targets(rec.fw)
     for node in nodes:
         weights, caches = GEMM_FWD[str(node.target)]
-        for i in weights:
-            carrier = node.args[i]
+        args = op_args(node)
+        for name in weights:
+            carrier = args[name]
             assert carrier.op == "placeholder" and set(carrier.meta["val"].stride()) == {0}
-        for i in caches:
-            parts = node.args[i]
+        for name in caches:
+            parts = args[name]
             assert parts and {p.meta["val"].dtype for p in parts} <= {torch.uint8, torch.float32}
             computed = [p for p in parts if p.op != "placeholder"]
             assert len(computed) == int(in_graph_transpose), computed

@@ -23,7 +23,7 @@ import te_compile.modules.linear as module_linear
 from te_compile.ops import operands_mx
 from te_compile.ops.fp8_operands import make_quantizer
 from te_compile.recipes import QuantConfig, for_linear
-from te_compile_testing import JointRecorder, op_targets
+from te_compile_testing import JointRecorder, op_args, op_targets
 
 IN, OUT = 64, 32
 SHAPES = {"2d": (32, IN), "3d": (4, 8, IN)}
@@ -90,8 +90,7 @@ def test_forward_one_graph(
     assert len(backend.graphs) == 1 and graph_breaks() == 0
     assert op_targets(backend.graphs).count("te_compile.linear_fwd") == 1
     node = fwd_node(backend.graphs)
-    names = [a.name for a in torch.ops.te_compile.linear_fwd.default._schema.arguments]
-    assert QuantConfig.from_key(node.args[names.index("config")]).kind == name
+    assert QuantConfig.from_key(op_args(node)["config"]).kind == name
 
 
 # ---- forward + backward, meta ------------------------------------------------------------------

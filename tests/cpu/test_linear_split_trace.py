@@ -17,7 +17,7 @@ from conftest import recipe_for
 
 import te_compile
 from te_compile.recipes import QuantConfig
-from te_compile_testing import JointRecorder, op_targets
+from te_compile_testing import JointRecorder, op_args, op_targets
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
 
@@ -42,8 +42,7 @@ def compile_joint(module, recipe, x):
 
 def fwd_arg(rec, name):
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == FWD)
-    names = [a.name for a in node.target._schema.arguments]
-    return node.args[names.index(name)]
+    return op_args(node)[name]
 
 
 @pytest.mark.parametrize("name", ["none", "current", "block", "delayed"])

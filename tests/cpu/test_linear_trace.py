@@ -17,7 +17,7 @@ from transformer_engine.common import recipe as R
 
 import te_compile.modules.linear as module_linear
 from te_compile.recipes import QuantConfig
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, op_args
 
 FWD, BWD = "te_compile.linear_fwd", "te_compile.linear_bwd"
 RECIPES = ["none", "current", "block"]
@@ -54,11 +54,7 @@ SHAPES = {"2d": (32, IN), "3d": (4, 8, IN)}
 
 
 def op_arg(node, name):
-    """The argument `name` of a call to one of our ops, by its schema."""
-    op = node.target
-    op = getattr(op, "default", op)  # dynamo's graphs call the packet, AOT's the overload
-    names = [a.name for a in op._schema.arguments]
-    return node.args[names.index(name)]
+    return op_args(node)[name]
 
 
 # ---- forward, fake CUDA ------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from transformer_engine.common import recipe as R
 
 import te_compile
 from te_compile.recipes import QuantConfig
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, op_args
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
 
@@ -70,8 +70,7 @@ def _gemm_configs(graphs) -> list[str]:
         for node in gm.graph.nodes:
             target = str(node.target)
             if node.op == "call_function" and any(f".{op}." in target for op in GEMM_OPS):
-                names = [a.name for a in node.target._schema.arguments]
-                kinds.append(QuantConfig.from_key(node.args[names.index("config")]).kind)
+                kinds.append(QuantConfig.from_key(op_args(node)["config"]).kind)
     return kinds
 
 
@@ -129,9 +128,9 @@ def test_eval_mode_and_no_grad(patched, graph_breaks):
             )
     assert graph_breaks() == 0 and out.shape == (cases.SEQ, cases.BATCH, cases.HIDDEN)
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == ATTN_FWD)
-    names = [a.name for a in node.target._schema.arguments]
-    assert node.args[names.index("is_training")] is False
-    assert node.args[names.index("dropout")] == 0.0
+    args = op_args(node)
+    assert args["is_training"] is False
+    assert args["dropout"] == 0.0
 
 
 def test_negative_control_without_patch(graph_breaks):

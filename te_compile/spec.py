@@ -1,0 +1,99 @@
+"""One codec for every configuration that crosses a custom-op boundary.
+
+An op's configuration (recipe, norm, activation, GEMM flags) is a frozen dataclass derived from
+`Spec` and declared with `@spec`. It crosses the boundary as one canonical string, `spec.key` ("name=value;..."), built
+while dynamo traces, and the op side gets the dataclass back with `Cls.from_key(key)`: cached
+by value, so an op call pays one dict lookup, never a parse. Keys must round-trip exactly
+(`from_key` checks it), so a field type the codec cannot carry fails at build time, not on the
+GPU.
+
+Field values are str, bool, int, float or tuples of one of those; a field may name a shorter
+key label in its metadata (`field(metadata={"label": "eps"})`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+
+_SCALARS = (bool, int, float, str)  # bool before int: bool is an int
+
+
+def spec(cls):
+    """Class decorator of a `Spec`: a frozen dataclass whose field table (name, key label,
+    scalar type, is a tuple) is read from its annotations once, at import. `key` is built
+    while dynamo traces, so it must only read that table, never introspect."""
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    hints = typing.get_type_hints(cls)
+    table = []
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        is_tuple = typing.get_origin(hint) is tuple
+        scalar = typing.get_args(hint)[0] if is_tuple else hint
+        if scalar not in _SCALARS:
+            raise TypeError(f"{cls.__name__}.{f.name}: a Spec field must be one of {_SCALARS}")
+        table.append((f.name, f.metadata.get("label", f.name), scalar, is_tuple))
+    cls._FIELDS = tuple(table)
+    return cls
+
+
+class Spec:
+    """Base of the op configurations (declare them with `@spec`): `key` / `from_key`."""
+
+    _FIELDS: tuple = ()
+
+    @property
+    def key(self) -> str:
+        return ";".join(
+            f"{label}={_encode(getattr(self, name), scalar, is_tuple)}"
+            for name, label, scalar, is_tuple in self._FIELDS
+        )
+
+    @classmethod
+    def from_key(cls, key: str):
+        """Inverse of `key`, cached: ops call it on every run."""
+        return _from_key(cls, key)
+
+
+def _encode(value, scalar: type, is_tuple: bool) -> str:
+    """As the declared type says (an int given for a float field still reads back equal)."""
+    if is_tuple:
+        return ",".join(_encode(v, scalar, False) for v in value)
+    if scalar is bool:
+        return str(int(bool(value)))
+    return repr(float(value)) if scalar is float else str(scalar(value))
+
+
+def _decode(raw: str, scalar: type, is_tuple: bool):
+    if is_tuple:
+        return tuple(_decode(r, scalar, False) for r in raw.split(",") if r)
+    if scalar is bool:
+        return bool(int(raw))
+    return scalar(raw)
+
+
+@functools.lru_cache(maxsize=4096)
+def _from_key(cls, key: str):
+    raw = dict(item.split("=", 1) for item in key.split(";"))
+    spec = cls(**{n: _decode(raw[label], s, t) for n, label, s, t in cls._FIELDS})
+    if spec.key != key:
+        raise ValueError(f"not a canonical {cls.__name__} key: {key!r}")
+    return spec
+
+
+def labelled(label: str, default):
+    """A field whose key label is `label` instead of its name (keeps keys short)."""
+    return dataclasses.field(default=default, metadata={"label": label})
+
+
+@spec
+class NormSpec(Spec):
+    """A norm's options, as TE's layernorm/rmsnorm kernels take them (te.LayerNorm, te.RMSNorm,
+    the norm of LayerNormLinear and LayerNormMLP)."""
+
+    normalization: str = labelled("norm", "LayerNorm")  # or "RMSNorm"
+    eps: float = 1e-5
+    zero_centered_gamma: bool = labelled("zcg", False)
+    fwd_sm_margin: int = labelled("fwd_margin", 0)
+    bwd_sm_margin: int = labelled("bwd_margin", 0)
