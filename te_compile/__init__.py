@@ -9,18 +9,18 @@ route through te-compile's traceable twins and custom ops (see docs/architecture
 
 from __future__ import annotations
 
-from .check import check  # noqa: F401  (also binds te_compile.check to the function)
 from .errors import (
     RecipeNotSupportedError,
     TECompileError,
     UnsupportedUnderCompileError,
     UnsupportedVersionError,
 )
-from .graph_capture import capture
 from .modules.checkpointing import checkpoint, checkpoint_policy, gemm_forward_ops
 from .patching import Patcher
-from .simulate import simulate_gpu
-from .tf32 import configure_tf32
+from .tools.check import check  # noqa: F401  (also binds te_compile.check to the function)
+from .tools.graph_capture import capture
+from .tools.simulate import simulate_gpu
+from .tools.tf32 import configure_tf32
 from .versions import check_versions, supported_range
 
 __version__ = "0.1.0"
@@ -49,7 +49,7 @@ def is_patched() -> bool:
 
 def doctor() -> str:
     """A short report of the environment: versions, GPU, recipe support, patch state."""
-    from .doctor import report
+    from .tools.doctor import report
 
     return report()
 

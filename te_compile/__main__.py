@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in (None, "doctor"):
         print(te_compile.doctor())
         return 0
-    from .check import check_factory, load_factory
+    from .tools.check import check_factory, load_factory
 
     if not args.no_patch:
         te_compile.patch()

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from te_compile import simulate
+from te_compile.tools import simulate
 
 # name: (compute capability, the support answers TE would cache on that GPU), from the table
 # te_compile.simulate_gpu answers with.

@@ -1,5 +1,5 @@
 """te_compile.check(..., backend="inductor"): each graph compiled by inductor as for an H100, on
-a machine without a GPU (te_compile/check_inductor.py), so CPU CI catches inductor-only
+a machine without a GPU (te_compile/tools/check_inductor.py), so CPU CI catches inductor-only
 failures."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe
 
 import te_compile
-from te_compile.check_inductor import InductorRecorder
+from te_compile.tools.check_inductor import InductorRecorder
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine behaviour")
 

@@ -1,5 +1,5 @@
 """te_compile.check's per-module cases take each TE module's inputs from the whole-model trace
-(te_compile/check_modules.py): the model's eager code runs only when the whole-model case
+(te_compile/tools/check_modules.py): the model's eager code runs only when the whole-model case
 stopped before some module, and then what it raised is reported."""
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_doctor_reports(patched):
 
 def test_doctor_cudnn_graph_note():
     """cuDNN <= 9.15 (TE's `<= 91500` rule): the doctor names the CUDA-graph sequence limit."""
-    from te_compile.doctor import _cudnn_graph_note
+    from te_compile.tools.doctor import _cudnn_graph_note
 
     assert "multiples of 128" in _cudnn_graph_note((9, 15, 0))
     assert "multiples of 128" in _cudnn_graph_note((9, 10, 2))

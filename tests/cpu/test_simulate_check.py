@@ -188,7 +188,7 @@ def tf32_state():
 
 
 def test_tf32_picks_the_new_api_where_torch_has_it(tf32_state):
-    from te_compile.tf32 import tf32_enabled
+    from te_compile.tools.tf32 import tf32_enabled
 
     assert te_compile.configure_tf32() == "fp32_precision"  # torch 2.14 has it
     assert tf32_enabled() == {"matmul": True, "cudnn": True}
@@ -206,7 +206,7 @@ def test_tf32_new_api_then_legacy_read_is_torch_s_mixed_error(tf32_state):
 
 
 def test_tf32_legacy_api_keeps_both_readable(tf32_state):
-    from te_compile.tf32 import tf32_enabled
+    from te_compile.tools.tf32 import tf32_enabled
 
     assert te_compile.configure_tf32(api="allow_tf32") == "allow_tf32"
     assert tf32_enabled("allow_tf32") == {"matmul": True, "cudnn": True}

@@ -36,8 +36,8 @@ from unittest import mock
 
 import torch
 
+from ..errors import TECompileError
 from .check_trace import Recorder, boxed_runner
-from .errors import TECompileError
 from .simulate import simulated_gpu
 
 _CUDA = torch.device("cuda", 0)

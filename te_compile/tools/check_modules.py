@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..errors import TECompileError
 from .check_trace import (
     CaseResult,
     autocast,
@@ -37,7 +38,6 @@ from .check_trace import (
     make_recorder,
     tree_map,
 )
-from .errors import TECompileError
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from .errors import TECompileError
+from ..errors import TECompileError
 
 BACKENDS = ("aot_eager", "inductor")
 

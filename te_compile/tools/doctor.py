@@ -14,7 +14,7 @@ def report() -> str:
 
     import te_compile
 
-    from .versions import supported_range, te_version
+    from ..versions import supported_range, te_version
 
     lines = ["te-compile doctor"]
     lines.append(_line("te-compile", te_compile.__version__))
