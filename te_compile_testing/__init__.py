@@ -213,3 +213,18 @@ def recipe_state_on(device: str):
         yield
     finally:
         RecipeState.create = original
+
+
+def op_args(node: torch.fx.Node) -> dict:
+    """The arguments of a call to one of our ops in an FX graph, by schema name (dynamo's graphs
+    call the packet, AOT's the overload; functionalized mutating calls carry the op first and
+    the arguments as keyword arguments)."""
+    target = node.target
+    if "auto_functionalized" in str(target):
+        target, kwargs = node.args[0], dict(node.kwargs)
+        names = [a.name for a in getattr(target, "default", target)._schema.arguments]
+        return {n: kwargs.get(n) for n in names}
+    names = [a.name for a in getattr(target, "default", target)._schema.arguments]
+    args = dict(zip(names, node.args, strict=False))
+    args.update(node.kwargs)
+    return args

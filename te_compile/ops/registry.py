@@ -30,7 +30,7 @@ _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
 class Op:
     """A registered custom op; call it like the function it was declared from."""
 
-    def __init__(self, impl: Callable, mutates: tuple[str, ...]):
+    def __init__(self, impl: Callable, mutates: tuple[str, ...], tags: tuple = ()):
         self.name = impl.__name__
         self.signature = inspect.signature(impl)
         self.params = tuple(self.signature.parameters)
@@ -38,7 +38,7 @@ class Op:
         if unknown:
             raise ValueError(f"{self.name}: mutates names no argument: {sorted(unknown)}")
         schema = torch.library.infer_schema(impl, mutates_args=mutates)
-        _LIB.define(self.name + schema)
+        _LIB.define(self.name + schema, tags=tags)
         _LIB.impl(self.name, impl, "CUDA")
         self.impl = impl
         self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
@@ -81,10 +81,10 @@ class Op:
         )
 
 
-def op(*, mutates: tuple[str, ...] = ()) -> Callable[[Callable], Op]:
-    """Declare `te_compile::<function name>` from the decorated, fully annotated function."""
-    return lambda impl: Op(impl, mutates)
-
+def op(*, mutates: tuple[str, ...] = (), tags: tuple = ()) -> Callable[[Callable], Op]:
+    """Declare `te_compile::<function name>` from the decorated, fully annotated function
+    (`tags`: torch.Tag values of its schema, e.g. nondeterministic_seeded)."""
+    return lambda impl: Op(impl, mutates, tags)
 
 
 # ---- legacy (ops not yet declared with `op`; removed once none is left) ------------------------
