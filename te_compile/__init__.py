@@ -17,6 +17,7 @@ from .errors import (
 )
 from .modules.checkpointing import checkpoint, checkpoint_policy, gemm_forward_ops
 from .patching import Patcher
+from .prepare import prepare
 from .tools.check import check  # noqa: F401  (also binds te_compile.check to the function)
 from .tools.graph_capture import capture
 from .tools.simulate import simulate_gpu
@@ -59,6 +60,7 @@ __all__ = [
     "unpatch",
     "is_patched",
     "doctor",
+    "prepare",
     "simulate_gpu",
     "check",
     "configure_tf32",

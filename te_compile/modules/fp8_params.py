@@ -104,10 +104,11 @@ def fp8_weight_names(module) -> tuple[str, ...]:
 
 
 @torch.compiler.assume_constant_result
-def ensure_grad_carriers() -> bool:
-    """A GradCarrier on every FP8 GEMM weight of every live TE GEMM module that has none of its
-    own. Takes no module (see persistent_state.py: nothing in a trace names an instance)."""
-    for module in persistent_state._live_modules():
+def ensure_grad_carriers(prepared: bool = False) -> bool:
+    """A GradCarrier on every FP8 GEMM weight of every live TE GEMM module (`prepared`: every
+    prepared one, no scan) that has none of its own. Takes no module (see persistent_state.py:
+    nothing in a trace names an instance)."""
+    for module in persistent_state._modules(prepared):
         for name in fp8_weight_names(module):
             param = getattr(module, name, None)
             if not gemm_common.is_quantized(param):
@@ -199,10 +200,10 @@ def _dtype_value(dtype) -> int:
 # ---- operands ----------------------------------------------------------------------------------
 
 
-def operands(w, cfg: QuantConfig) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def operands(w, cfg: QuantConfig, prepared: bool = False) -> tuple[torch.Tensor, list]:
     """(the op's weight argument, the FP8 parameter's parts as an FP8 weight cache) for FP8
-    parameter `w` (checked by `check`)."""
-    ensure_grad_carriers()
+    parameter `w` (checked by `check`) of a module te_compile.prepare() registered or not."""
+    ensure_grad_carriers(prepared)
     carrier = getattr(w, CARRIER_ATTR).tensor
     if not w.requires_grad:
         carrier = carrier.detach()  # a frozen weight gets no gradient, as in eager TE
@@ -232,7 +233,7 @@ def gemm_weight(
     (is_first_microbatch), its cache (gemm_common.cached_weight), else []. Eager TE keeps no
     workspace for an FP8 parameter either."""
     if gemm_common.is_quantized(weight):
-        return operands(weight, cfg)
+        return operands(weight, cfg, persistent_state.is_prepared(m))
     if cfg.fp8 and is_first_microbatch is not None:
         refresh = bool(is_first_microbatch)
         return weight, gemm_common.cached_weight(m, name, weight, cfg, fwd_state, refresh, gemm)

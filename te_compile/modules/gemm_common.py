@@ -252,7 +252,7 @@ def delayed_state(m, recipe) -> tuple[list, list]:
     """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py):
     ([fwd scale, fwd amax_history[0]], [bwd scale, bwd amax_history])."""
     fields = DelayedFields.values_of(recipe)
-    persistent_state.ensure_delayed_states(fields)
+    persistent_state.ensure_delayed_states(fields, persistent_state.is_prepared(m))
     if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
         persistent_state.reinit_delayed_state(id(m), fields)  # made for another recipe
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
@@ -292,7 +292,10 @@ def cached_weight(
     `cfg`, refreshed as eager TE refreshes its weight workspace: always on a first
     microbatch, otherwise only while it holds nothing. `gemm` picks the GEMM's DelayedScaling
     slots (TE's 3 forward slots per GEMM)."""
-    persistent_state.ensure_weight_caches(cfg.key, name, tuple(weight.shape), str(weight.dtype))
+    prepared = persistent_state.is_prepared(m)
+    persistent_state.ensure_weight_caches(
+        cfg.key, name, tuple(weight.shape), str(weight.dtype), prepared
+    )
     caches = getattr(m, persistent_state.WEIGHT_CACHES_ATTR)
     valid, parts = caches[persistent_state.cache_key(name, cfg.key)]
     scale, amax = fwd_state or [None, None]

@@ -120,7 +120,8 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     if fp8 and is_first_microbatch is not None and not gemm_common.is_quantized(w2):
         # Both caches exist before either is read: dynamo keeps the cache dict as it first read
         # it, and would miss an entry created afterwards by the (untraced) ensure function.
-        persistent_state.ensure_weight_caches(cfg.key, "fc2_weight", tuple(w2.shape), str(w2.dtype))
+        shape, prepared = tuple(w2.shape), persistent_state.is_prepared(self)
+        persistent_state.ensure_weight_caches(cfg.key, "fc2_weight", shape, str(w2.dtype), prepared)
     # FP8 parameters enter as their gradient carriers and parts (fp8_params.py).
     op_w1, fc1_cache = fp8_params.gemm_weight(
         self, "fc1_weight", w1, cfg, fwd_state, is_first_microbatch, gemm=0

@@ -16,11 +16,19 @@ DelayedScaling state was made for another recipe is the one case handled per ins
 
 Creating state for modules that never run is harmless: an unrun module's history stays zero
 and its scale 1.0 through TE's updates, as a fresh one's would.
+
+State: prepared or discovered. `te_compile.prepare(model, recipe)` (prepare.py) creates the
+state of a model's modules before compiling (`prepare_module`, the scan's per-module rules) and
+registers them (`_PREPARED`, marked with PREPARED_ATTR, a plain True: the same in every block).
+The traced code passes that mark to the `ensure_*` functions, which then cover the prepared
+modules only, the traced one among them, without scanning; for a module not prepared they scan
+as before (the fallback). `scans()` counts the scans (tests).
 """
 
 from __future__ import annotations
 
 import gc
+import weakref
 
 import torch
 
@@ -30,6 +38,10 @@ from ..recipes import DelayedFields, QuantConfig
 # Module attributes (plain values, so guards compare values, not identities).
 DELAYED_ATTR = "_te_compile_delayed"  # the DelayedFields tuple the state was made for
 WEIGHT_CACHES_ATTR = "_te_compile_weight_caches"  # {cache_key(): (valid, [cache tensors])}
+PREPARED_ATTR = "_te_compile_prepared"  # True on the modules te_compile.prepare() registered
+
+_PREPARED: weakref.WeakSet = weakref.WeakSet()  # the modules te_compile.prepare() registered
+_SCANS = [0]  # scans of the garbage collector's objects so far
 
 
 def _module_classes() -> tuple:
@@ -42,10 +54,39 @@ def _module_classes() -> tuple:
 
 
 def _live_modules() -> list:
+    _SCANS[0] += 1
     classes = _module_classes()
     # issubclass(type(obj)) rather than isinstance(obj): isinstance reads obj.__class__, which
     # raises on a dead weakref proxy and warns on torch.distributed's deprecated reduce_op.
     return [obj for obj in gc.get_objects() if issubclass(type(obj), classes)]
+
+
+def scans() -> int:
+    """How many times te_compile has scanned the garbage collector's objects (tests)."""
+    return _SCANS[0]
+
+
+def is_prepared(module) -> bool:
+    """Whether te_compile.prepare() registered `module` (traced: a guard on a plain value)."""
+    return bool(getattr(module, PREPARED_ATTR, False))
+
+
+def _modules(prepared: bool) -> list:
+    """The modules an ensure_* function covers: for a traced module that prepare() registered,
+    the registered ones (the traced one among them: no scan), else every live one (a scan)."""
+    return list(_PREPARED) if prepared else _live_modules()
+
+
+def prepare_module(module, fields: tuple | None) -> None:
+    """What te_compile.prepare() does to one TE GEMM module: the DelayedScaling state for the
+    recipe `fields` (None: a recipe with no such state) that a trace would leave (the scan's
+    rule, then reinit_delayed_state's for a module set up for another recipe), and registered."""
+    if fields is not None:
+        _ensure_delayed(module, fields, DelayedFields(*fields).recipe())
+        if getattr(module, DELAYED_ATTR, None) != fields:
+            _init_delayed(module, fields)
+    _PREPARED.add(module)
+    setattr(module, PREPARED_ATTR, True)
 
 
 def num_gemms(module) -> int:
@@ -101,27 +142,35 @@ def _init_delayed(module, fields: tuple) -> None:
 
 
 @torch.compiler.assume_constant_result
-def ensure_delayed_states(fields: tuple) -> bool:
+def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
     """DelayedScaling state (for the recipe `fields`) for every live TE GEMM module that has no
-    FP8 state yet. Modules eager TE set up are left to eager TE unless they are registered in TE's
-    global buffers for this recipe (then only marked): registering a module of another model
-    would make compiled code mutate tensors it cannot reach through its own modules, which
-    inductor's CUDA graphs refuse (a non-static mutated input)."""
-    if all(getattr(m, DELAYED_ATTR, None) is not None for m in _live_modules()):
+    FP8 state yet (`prepared`: every prepared module, no scan). Modules eager TE set up are left
+    to eager TE unless they are registered in TE's global buffers for this recipe (then only
+    marked): registering a module of another model would make compiled code mutate tensors it
+    cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
+    mutated input)."""
+    if all(getattr(m, DELAYED_ATTR, None) is not None for m in _modules(prepared)):
         return True  # every trace after the first: nothing to create
     recipe = DelayedFields(*fields).recipe()
-    # Unreachable modules still in gc's lists would be registered too, and the compiled
-    # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
-    # trees skip a graph with such a mutated input. Collect them first.
-    gc.collect()
-    for module in _live_modules():
-        if getattr(module, DELAYED_ATTR, None) is not None:
-            continue
-        if not module.fp8_initialized:
-            _init_delayed(module, fields)
-        elif module.fp8_meta.get("recipe") == recipe and _registered(module, recipe):
-            setattr(module, DELAYED_ATTR, fields)
+    if not prepared:
+        # Unreachable modules still in gc's lists would be registered too, and the compiled
+        # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
+        # trees skip a graph with such a mutated input. Collect them first.
+        gc.collect()
+    for module in _modules(prepared):
+        _ensure_delayed(module, fields, recipe)
     return True
+
+
+def _ensure_delayed(module, fields: tuple, recipe) -> None:
+    """The scan's rule for one module: create state if it has none, adopt eager TE's state if
+    TE registered it for `recipe`, else leave it (the trace re-initialises it by identity)."""
+    if getattr(module, DELAYED_ATTR, None) is not None:
+        return
+    if not module.fp8_initialized:
+        _init_delayed(module, fields)
+    elif module.fp8_meta.get("recipe") == recipe and _registered(module, recipe):
+        setattr(module, DELAYED_ATTR, fields)
 
 
 def _registered(module, recipe) -> bool:
@@ -144,19 +193,26 @@ def compiled_buffer_positions(key: str) -> tuple:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
 
     histories = manager.quantization_state.global_amax_history_buffer.get(key, [])
-    ours = {
+    ours = _history_ids(_PREPARED)
+    if not all(id(h) in ours for h in histories):  # not all prepared modules': scan
+        ours = _history_ids(_live_modules())
+    return tuple(i for i, h in enumerate(histories) if id(h) in ours)
+
+
+def _history_ids(modules) -> set:
+    return {
         id(getattr(m.fp8_meta[name], "amax_history", None))
-        for m in _live_modules()
+        for m in modules
         for name in ("scaling_fwd", "scaling_bwd")
         if name in getattr(m, "fp8_meta", {})
     }
-    return tuple(i for i, h in enumerate(histories) if id(h) in ours)
 
 
 @torch.compiler.assume_constant_result
 def reinit_delayed_state(module_id: int, fields: tuple) -> bool:
     """DelayedScaling state for the recipe `fields` for one module that has state for another."""
-    for module in _live_modules():
+    prepared = [m for m in _PREPARED if id(m) == module_id]
+    for module in prepared or _live_modules():
         if id(module) == module_id:
             _init_delayed(module, fields)
             return True
@@ -164,14 +220,16 @@ def reinit_delayed_state(module_id: int, fields: tuple) -> bool:
 
 
 @torch.compiler.assume_constant_result
-def ensure_weight_caches(config: str, name: str, shape: tuple, dtype: str) -> bool:
+def ensure_weight_caches(
+    config: str, name: str, shape: tuple, dtype: str, prepared: bool = False
+) -> bool:
     """An FP8 cache for config `config` of GEMM weight `name` (see gemm_weight_spec) in every
-    live TE GEMM module whose such weight has `shape` and `dtype` (its str()): empty, and
-    marked invalid until quantize_weight fills it."""
+    live TE GEMM module (`prepared`: every prepared one, no scan) whose such weight has `shape`
+    and `dtype` (its str()): empty, and marked invalid until quantize_weight fills it."""
     cfg = QuantConfig.from_key(config)
     specs = weight_cache_specs(cfg, shape)
     key = cache_key(name, config)
-    for module in _live_modules():
+    for module in _modules(prepared):
         if gemm_weight_spec(module, name) != (shape, dtype):
             continue
         caches = module.__dict__.get(WEIGHT_CACHES_ATTR)
