@@ -27,6 +27,7 @@ import torch
 
 import te_compile
 import te_compile.ops  # noqa: F401  (registers the te_compile:: ops)
+from te_compile.ops.attention import FusedAttnSpec
 
 S, B, H = 128, 2, 4
 
@@ -47,18 +48,20 @@ def attention(qkv: list[torch.Tensor], layout: str) -> torch.Tensor:
         cu,
         None,
         None,
-        layout,
-        "causal",
-        [-1, 0],
-        False,
         S,
         S,
-        0.25,
-        0.0,
-        True,
-        True,
-        False,
-        1,
+        FusedAttnSpec(
+            qkv_layout=layout,
+            attn_mask_type="causal",
+            window_size=(-1, 0),
+            bottom_right_diagonal=False,
+            attn_scale=0.25,
+            dropout=0.0,
+            fast_zero_fill=True,
+            is_training=True,
+            deterministic=False,
+            backend=1,
+        ).key,
     )
     return out
 

@@ -184,29 +184,29 @@ def qkv_tensors(layout: str, *, heads=4, groups=4, d=16, s=SEQ, b=BATCH, grad=Tr
     return [t(3, heads, d) if "3h" in layout else t(heads, 3, d)]
 
 
+def fused_attn_spec(layout="sbhd_sbhd_sbhd", mask="causal", dropout=0.0):
+    from te_compile.ops.attention import FusedAttnSpec
+
+    return FusedAttnSpec(
+        qkv_layout=layout,
+        attn_mask_type=mask,
+        window_size=(-1, 0) if "causal" in mask else (-1, -1),
+        bottom_right_diagonal=False,
+        attn_scale=0.25,
+        dropout=dropout,
+        fast_zero_fill=True,
+        is_training=True,
+        deterministic=False,
+        backend=1,
+    )
+
+
 def fused_attn_fwd_args(layout="sbhd_sbhd_sbhd", mask="causal", dropout=0.0, padded=False):
     qkv = qkv_tensors(layout, groups=2 if layout.count("_") == 2 else 4)
     cu = torch.arange(0, (BATCH + 1) * SEQ, SEQ, dtype=torch.int32, device="cuda")
-    window = [-1, 0] if "causal" in mask else [-1, -1]
-    return (
-        qkv,
-        cu,
-        cu,
-        cu if padded else None,
-        cu if padded else None,
-        layout,
-        mask,
-        window,
-        False,
-        SEQ,
-        SEQ,
-        0.25,
-        dropout,
-        True,
-        True,
-        False,
-        1,
-    )
+    padded_cu = cu if padded else None
+    config = fused_attn_spec(layout, mask, dropout).key
+    return (qkv, cu, cu, padded_cu, padded_cu, SEQ, SEQ, config)
 
 
 def fused_attn_bwd_args(fwd_args):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..ops.attention import FusedAttnSpec
 from ..patching import Swap
 from . import attention_backends as backends
 from . import checkpointing, gemm_common
@@ -266,24 +267,27 @@ def compiled_dpa_forward(m, call: dict):
             m, call, q, k, v, layout, seqlens, mask_type, window, softcap
         )
     if use_fused:
+        config = FusedAttnSpec(
+            qkv_layout=layout,
+            attn_mask_type=mask_type,
+            window_size=tuple(window),
+            bottom_right_diagonal=diagonal,
+            attn_scale=float(m.softmax_scale),
+            dropout=dropout if m.training else 0.0,
+            fast_zero_fill=bool(call["fast_zero_fill"]),
+            is_training=bool(m.training),
+            deterministic=bool(m.deterministic),
+            backend=fused_backend,
+        )
         out, _, _ = torch.ops.te_compile.fused_attn_fwd(
             tensors,
             cu_q[: batch + 1],
             cu_kv[: batch + 1],
             _padded(call["cu_seqlens_q_padded"], cu_q, batch, mask_type),
             _padded(call["cu_seqlens_kv_padded"], cu_kv, batch, mask_type),
-            layout,
-            mask_type,
-            list(window),
-            diagonal,
             max_q,
             max_kv,
-            float(m.softmax_scale),
-            dropout if m.training else 0.0,
-            bool(call["fast_zero_fill"]),
-            bool(m.training),
-            bool(m.deterministic),
-            fused_backend,
+            config.key,
         )
         return out.view(*out.shape[:-2], -1)
     if use_unfused:

@@ -1,10 +1,13 @@
 """TE's cuDNN fused attention (FusedAttention's F16/BF16 path) as custom ops.
 
-    te_compile::fused_attn_fwd(qkv[], cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded?,
-        cu_seqlens_kv_padded?, qkv_layout, attn_mask_type, window_size, bottom_right_diagonal,
-        max_seqlen_q, max_seqlen_kv, attn_scale, dropout, fast_zero_fill, is_training,
-        deterministic, backend) -> (out, softmax_stats, rng_state)
-    te_compile::fused_attn_bwd(qkv[], out, d_out, softmax_stats, rng_state, <same>) -> grads[]
+    fused_attn_fwd(qkv[], cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded?,
+        cu_seqlens_kv_padded?, max_seqlen_q, max_seqlen_kv, config) -> (out, softmax_stats,
+        rng_state)
+    fused_attn_bwd(qkv[], out, d_out, softmax_stats, rng_state, <the same>) -> grads[]
+
+`config` is `FusedAttnSpec.key`: the layout, mask, window, scale, dropout and backend options,
+which always travel together from the module to both kernels (the sequence lengths stay
+separate ints: they are sizes, not options).
 
 `qkv` holds the tensors as TE's layout string names them: one packed buffer for "sb3hd" /
 "bsh3d"..., a query and a packed key-value buffer for "sbhd_sb2hd"..., three tensors for
@@ -27,9 +30,27 @@ from __future__ import annotations
 import functools
 
 import torch
+from torch import Tensor
 
 from ..errors import UnsupportedUnderCompileError
-from . import registry
+from ..spec import Spec, spec
+from .registry import op
+
+
+@spec
+class FusedAttnSpec(Spec):
+    """The options of one fused attention call, as eager TE's FusedAttnFunc passes them."""
+
+    qkv_layout: str  # TE's layout string, e.g. "sbhd_sbhd_sbhd", "sb3hd", "bshd_bsh2d"
+    attn_mask_type: str
+    window_size: tuple[int, ...]  # (left, right), -1: unbounded
+    bottom_right_diagonal: bool
+    attn_scale: float
+    dropout: float
+    fast_zero_fill: bool
+    is_training: bool
+    deterministic: bool
+    backend: int  # TE's FusedAttnBackend value
 
 
 @functools.cache
@@ -102,31 +123,27 @@ def _call_te(kernel, *args, **kwargs):
         raise
 
 
-def _fwd_kernel(
-    qkv,
-    cu_seqlens_q,
-    cu_seqlens_kv,
-    cu_seqlens_q_padded,
-    cu_seqlens_kv_padded,
-    qkv_layout,
-    attn_mask_type,
-    window_size,
-    bottom_right_diagonal,
-    max_seqlen_q,
-    max_seqlen_kv,
-    attn_scale,
-    dropout,
-    fast_zero_fill,
-    is_training,
-    deterministic,
-    backend,
-):
+# Tagged nondeterministic_seeded: it draws from the CUDA generator, so compilers must neither
+# merge two calls (CSE), drop one whose output is unused, nor recompute it in backward; with
+# inductor's fallback_random it keeps its program order among the other random ops.
+@op(tags=(torch.Tag.nondeterministic_seeded,))
+def fused_attn_fwd(
+    qkv: list[Tensor],
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    cu_seqlens_q_padded: Tensor | None,
+    cu_seqlens_kv_padded: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    config: str,
+) -> tuple[Tensor, Tensor, Tensor]:
+    cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
-    q, k, v = split_qkv(qkv, qkv_layout)
-    o_format = layout_format(qkv_layout)
+    q, k, v = split_qkv(qkv, cfg.qkv_layout)
+    o_format = layout_format(cfg.qkv_layout)
     out, aux = _call_te(
         fa.fused_attn_fwd,
-        is_training,
+        cfg.is_training,
         max_seqlen_q,
         max_seqlen_kv,
         cu_seqlens_q,
@@ -135,7 +152,7 @@ def _fwd_kernel(
         k,
         v,
         q.dtype,
-        fa.FusedAttnBackend.cast(backend),
+        fa.FusedAttnBackend.cast(cfg.backend),
         attn_bias=None,
         cu_seqlens_q_padded=cu_seqlens_q_padded,
         cu_seqlens_kv_padded=cu_seqlens_kv_padded,
@@ -143,17 +160,17 @@ def _fwd_kernel(
         page_table_v=None,
         s_quantizer=None,
         o_quantizer=None,
-        attn_scale=attn_scale,
-        dropout=dropout,
-        fast_zero_fill=fast_zero_fill,
-        qkv_layout=qkv_layout,
+        attn_scale=cfg.attn_scale,
+        dropout=cfg.dropout,
+        fast_zero_fill=cfg.fast_zero_fill,
+        qkv_layout=cfg.qkv_layout,
         o_format=o_format,
         qkv_scale_inv_format=None,
         attn_bias_type="no_bias",
-        attn_mask_type=attn_mask_type,
+        attn_mask_type=cfg.attn_mask_type,
         softmax_type="vanilla",
-        window_size=tuple(window_size),
-        bottom_right_diagonal=bottom_right_diagonal,
+        window_size=cfg.window_size,
+        bottom_right_diagonal=cfg.bottom_right_diagonal,
         rng_gen=None,  # the default CUDA generator, as eager TE
         softmax_offset=None,
         return_max_logit=False,
@@ -163,65 +180,38 @@ def _fwd_kernel(
     return out, stats, rng_state
 
 
-def _fwd_fake(qkv, cu_seqlens_q, cu_seqlens_kv, cu_q_padded, cu_kv_padded, qkv_layout, *_args):
-    q, _, v = split_qkv(qkv, qkv_layout)
+@fused_attn_fwd.fake
+def _(a):
+    qkv_layout = FusedAttnSpec.from_key(a.config).qkv_layout
+    q, _, v = split_qkv(a.qkv, qkv_layout)
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     stats = q.new_empty(_stats_shape(q, qkv_layout), dtype=torch.float32)
     rng_state = q.new_empty((2,), dtype=torch.int64)
     return out, stats, rng_state
 
 
-_CONFIG_SCHEMA = (
-    "str qkv_layout, str attn_mask_type, int[] window_size, bool bottom_right_diagonal, "
-    "int max_seqlen_q, int max_seqlen_kv, float attn_scale, float dropout, bool fast_zero_fill, "
-    "bool is_training, bool deterministic, int backend"
-)
-_CU_SCHEMA = (
-    "Tensor cu_seqlens_q, Tensor cu_seqlens_kv, Tensor? cu_seqlens_q_padded, "
-    "Tensor? cu_seqlens_kv_padded"
-)
-# Tagged nondeterministic_seeded: it draws from the CUDA generator, so compilers must neither
-# merge two calls (CSE), drop one whose output is unused, nor recompute it in backward; with
-# inductor's fallback_random it keeps its program order among the other random ops.
-_SEEDED = torch.library.Library(registry.NAMESPACE, "FRAGMENT")
-_SEEDED.define(
-    f"fused_attn_fwd(Tensor[] qkv, {_CU_SCHEMA}, {_CONFIG_SCHEMA}) -> (Tensor, Tensor, Tensor)",
-    tags=(torch.Tag.nondeterministic_seeded,),
-)
-_SEEDED.impl("fused_attn_fwd", _fwd_kernel, "CUDA")
-torch.library.register_fake(f"{registry.NAMESPACE}::fused_attn_fwd", _fwd_fake, lib=_SEEDED)
-FUSED_ATTN_FWD = torch.ops.te_compile.fused_attn_fwd
-
-
 # ---- backward ------------------------------------------------------------------------------------
 
 
-def _bwd_kernel(
-    qkv,
-    out,
-    d_out,
-    softmax_stats,
-    rng_state,
-    cu_seqlens_q,
-    cu_seqlens_kv,
-    cu_seqlens_q_padded,
-    cu_seqlens_kv_padded,
-    qkv_layout,
-    attn_mask_type,
-    window_size,
-    bottom_right_diagonal,
-    max_seqlen_q,
-    max_seqlen_kv,
-    attn_scale,
-    dropout,
-    fast_zero_fill,
-    is_training,
-    deterministic,
-    backend,
-):
+@op()
+def fused_attn_bwd(
+    qkv: list[Tensor],
+    out: Tensor,
+    d_out: Tensor,
+    softmax_stats: Tensor,
+    rng_state: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_kv: Tensor,
+    cu_seqlens_q_padded: Tensor | None,
+    cu_seqlens_kv_padded: Tensor | None,
+    max_seqlen_q: int,
+    max_seqlen_kv: int,
+    config: str,
+) -> list[Tensor]:
+    cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
-    q, k, v = split_qkv(qkv, qkv_layout)
-    o_format = layout_format(qkv_layout)
+    q, k, v = split_qkv(qkv, cfg.qkv_layout)
+    o_format = layout_format(cfg.qkv_layout)
     dq, dk, dv, *_ = _call_te(
         fa.fused_attn_bwd,
         max_seqlen_q,
@@ -235,71 +225,62 @@ def _bwd_kernel(
         d_out.contiguous(),
         q.dtype,
         [softmax_stats, rng_state],
-        fa.FusedAttnBackend.cast(backend),
+        fa.FusedAttnBackend.cast(cfg.backend),
         cu_seqlens_q_padded=cu_seqlens_q_padded,
         cu_seqlens_kv_padded=cu_seqlens_kv_padded,
         s_quantizer=None,
         dp_quantizer=None,
         dqkv_quantizer=None,
-        attn_scale=attn_scale,
-        dropout=dropout,
-        fast_zero_fill=fast_zero_fill,
-        qkv_layout=qkv_layout,
+        attn_scale=cfg.attn_scale,
+        dropout=cfg.dropout,
+        fast_zero_fill=cfg.fast_zero_fill,
+        qkv_layout=cfg.qkv_layout,
         o_format=o_format,
         do_format=o_format,
-        dqkv_layout=qkv_layout,
+        dqkv_layout=cfg.qkv_layout,
         qkv_scale_inv_format=None,
         do_scale_inv_format=None,
         attn_bias_type="no_bias",
-        attn_mask_type=attn_mask_type,
+        attn_mask_type=cfg.attn_mask_type,
         softmax_type="vanilla",
-        window_size=tuple(window_size),
-        bottom_right_diagonal=bottom_right_diagonal,
-        deterministic=deterministic,
+        window_size=cfg.window_size,
+        bottom_right_diagonal=cfg.bottom_right_diagonal,
+        deterministic=cfg.deterministic,
     )
-    return _join_grads(dq, dk, dv, qkv_layout)
+    return _join_grads(dq, dk, dv, cfg.qkv_layout)
 
 
-def _bwd_fake(qkv, *_args):
-    return [t.new_empty(t.shape) for t in qkv]
-
-
-FUSED_ATTN_BWD = registry.define(
-    "fused_attn_bwd(Tensor[] qkv, Tensor out, Tensor d_out, Tensor softmax_stats, "
-    f"Tensor rng_state, {_CU_SCHEMA}, {_CONFIG_SCHEMA}) -> Tensor[]",
-    _bwd_kernel,
-    _bwd_fake,
-)
+fused_attn_bwd.fake(lambda a: [t.new_empty(t.shape) for t in a.qkv])
 
 
 # ---- autograd ------------------------------------------------------------------------------------
 
-_N_TENSOR_INPUTS = 5  # qkv, cu_seqlens_q, cu_seqlens_kv, and the two padded ones
 
-
-def _setup_context(ctx, inputs, output) -> None:
-    qkv, cu_q, cu_kv, cu_q_pad, cu_kv_pad = inputs[:_N_TENSOR_INPUTS]
+def _setup_context(ctx, a, output) -> None:
     out, stats, rng_state = output
     ctx.mark_non_differentiable(stats, rng_state)
-    ctx.n_qkv = len(qkv)
-    ctx.has_padded = (cu_q_pad is not None, cu_kv_pad is not None)
-    padded = [t for t in (cu_q_pad, cu_kv_pad) if t is not None]
-    ctx.save_for_backward(*qkv, out, stats, rng_state, cu_q, cu_kv, *padded)
-    ctx.config = inputs[_N_TENSOR_INPUTS:]
+    ctx.n_qkv = len(a.qkv)
+    ctx.save_for_backward(
+        *a.qkv,
+        out,
+        stats,
+        rng_state,
+        a.cu_seqlens_q,
+        a.cu_seqlens_kv,
+        a.cu_seqlens_q_padded,
+        a.cu_seqlens_kv_padded,
+    )
+    ctx.max_seqlens = (a.max_seqlen_q, a.max_seqlen_kv)
+    ctx.config = a.config
 
 
 def _backward(ctx, d_out, _d_stats, _d_rng):
-    saved = list(ctx.saved_tensors)
-    n = ctx.n_qkv
-    qkv, (out, stats, rng_state, cu_q, cu_kv), rest = saved[:n], saved[n : n + 5], saved[n + 5 :]
-    cu_q_pad = rest.pop(0) if ctx.has_padded[0] else None
-    cu_kv_pad = rest.pop(0) if ctx.has_padded[1] else None
-    grads = torch.ops.te_compile.fused_attn_bwd(
-        qkv, out, d_out, stats, rng_state, cu_q, cu_kv, cu_q_pad, cu_kv_pad, *ctx.config
+    qkv, saved = ctx.saved_tensors[: ctx.n_qkv], ctx.saved_tensors[ctx.n_qkv :]
+    out, stats, rng_state, *cu_seqlens = saved  # plain (q, kv), then padded (q, kv)
+    grads = fused_attn_bwd(
+        list(qkv), out, d_out, stats, rng_state, *cu_seqlens, *ctx.max_seqlens, ctx.config
     )
-    return (list(grads), None, None, None, None) + (None,) * len(ctx.config)
+    return {"qkv": list(grads)}
 
 
-torch.library.register_autograd(
-    FUSED_ATTN_FWD.default, _backward, setup_context=_setup_context, lib=_SEEDED
-)
+fused_attn_fwd.autograd(_setup_context, _backward)

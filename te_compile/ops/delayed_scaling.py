@@ -3,26 +3,28 @@
 Eager TE runs this update from `FP8GlobalStateManager.reduce_and_update_fp8_tensors`: at the exit
 of the outermost autocast (forward) and at the end of the first FP8 module's backward. Under
 compile the same update runs through this op, which mutates TE's own `amax_history` and `scale`
-tensors in place (declared in `mutates_args`), so compiled and eager training share one state.
+tensors in place (declared in `mutates`), so compiled and eager training share one state.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from . import registry
 from .amax_groups import all_reduce_max
+from .registry import op
 from .te_dtypes import FP8_DTYPES, te_fp8_dtype
 
 
-def update_amax_and_scale(
-    amax_histories: list[torch.Tensor],
-    scales: list[torch.Tensor],
+@op(mutates=("amax_histories", "scales"))
+def amax_and_scale_update(
+    amax_histories: list[Tensor],
+    scales: list[Tensor],
     amax_compute_algo: str,
     fp8_dtype: str,
     margin: float,
     fused: bool,
-    latest: torch.Tensor | None = None,
+    latest: Tensor | None = None,
     reduce_group: str = "",
 ) -> None:
     """Roll each `amax_histories[i]` ([history_len, n]) and recompute `scales[i]` ([n]).
@@ -66,16 +68,13 @@ def update_amax_and_scale(
         q._amax_and_scale_update(history, scale, fmt.value.max_fwd, recipe)
 
 
-AMAX_AND_SCALE_UPDATE = registry.define(
-    "amax_and_scale_update(Tensor(a!)[] amax_histories, Tensor(b!)[] scales, "
-    "str amax_compute_algo, str fp8_dtype, float margin, bool fused, Tensor? latest=None, "
-    "str reduce_group='') -> ()",
-    update_amax_and_scale,  # the op runs the function above
-    lambda *args, **kwargs: None,
-)
+amax_and_scale_update.fake(lambda a: None)
+# The plain function, for callers already inside an op's kernel (the GEMM ops' backward update).
+update_amax_and_scale = amax_and_scale_update.impl
 
 
-def scale_snapshot(scale: torch.Tensor) -> torch.Tensor:
+@op()
+def scale_snapshot(scale: Tensor) -> Tensor:
     """A copy of a module's forward scales, taken where its forward reads them. The ops quantize
     with the copy, so a recomputed forward (activation checkpointing) quantizes as the original
     did once a checkpoint policy saves it (te_compile.checkpoint_policy); the autocast exit
@@ -83,8 +82,4 @@ def scale_snapshot(scale: torch.Tensor) -> torch.Tensor:
     return scale.clone()
 
 
-SCALE_SNAPSHOT = registry.define(
-    "scale_snapshot(Tensor scale) -> Tensor",
-    scale_snapshot,
-    lambda scale: torch.empty_like(scale),
-)
+scale_snapshot.fake(lambda a: torch.empty_like(a.scale))

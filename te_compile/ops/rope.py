@@ -1,8 +1,8 @@
 """TE's fused rotary position embedding kernels (FusedRoPEFunc) as custom ops.
 
-    te_compile::fused_rope_fwd(t, freqs, start_positions?, cu_seqlens?, tensor_format,
-                               interleaved, cp_size, cp_rank) -> out
-    te_compile::fused_rope_bwd(grad, freqs, start_positions?, cu_seqlens?, <same>) -> grad_in
+    fused_rope_fwd(t, freqs, start_positions?, cu_seqlens?, tensor_format, interleaved,
+                   cp_size, cp_rank) -> out
+    fused_rope_bwd(grad, <the same>) -> grad_in
 
 The kernels are tex.fused_rope_forward / fused_rope_backward with the arguments eager TE's
 FusedRoPEFunc passes (freqs in float32, as FusedRoPEFunc casts them). Both return a new
@@ -11,9 +11,10 @@ contiguous tensor of the input's shape (TE's C++ allocates `at::empty(input.size
 
 from __future__ import annotations
 
-import torch
+from torch import Tensor
 
-from . import core, registry
+from . import core
+from .registry import op
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -24,53 +25,64 @@ def _qkv_format(tensor_format: str):
     return QKVFormat[tensor_format]
 
 
-def _rope_kernel(fn_name: str):
-    def kernel(t, freqs, start_positions, cu_seqlens, tensor_format, interleaved, cp_size, rank):
-        fn = getattr(core.tex(), fn_name)
-        return fn(
-            t,
-            freqs,
-            start_positions,
-            _qkv_format(tensor_format),
-            interleaved,
-            cu_seqlens,
-            cp_size,
-            rank,
-        )
-
-    return kernel
-
-
-def _rope_fake(t, *_args):
-    return t.new_empty(t.shape)
-
-
-_ARGS = (
-    "Tensor freqs, Tensor? start_positions, Tensor? cu_seqlens, str tensor_format, "
-    "bool interleaved, int cp_size, int cp_rank"
-)
-FUSED_ROPE_FWD = registry.define(
-    f"fused_rope_fwd(Tensor t, {_ARGS}) -> Tensor", _rope_kernel("fused_rope_forward"), _rope_fake
-)
-FUSED_ROPE_BWD = registry.define(
-    f"fused_rope_bwd(Tensor grad, {_ARGS}) -> Tensor",
-    _rope_kernel("fused_rope_backward"),
-    _rope_fake,
-)
+@op()
+def fused_rope_fwd(
+    t: Tensor,
+    freqs: Tensor,
+    start_positions: Tensor | None,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    return core.tex().fused_rope_forward(
+        t,
+        freqs,
+        start_positions,
+        _qkv_format(tensor_format),
+        interleaved,
+        cu_seqlens,
+        cp_size,
+        cp_rank,
+    )
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    t, freqs, start_positions, cu_seqlens, *config = inputs
-    ctx.save_for_backward(freqs, start_positions, cu_seqlens)
-    ctx.config = config
+@op()
+def fused_rope_bwd(
+    grad: Tensor,
+    freqs: Tensor,
+    start_positions: Tensor | None,
+    cu_seqlens: Tensor | None,
+    tensor_format: str,
+    interleaved: bool,
+    cp_size: int,
+    cp_rank: int,
+) -> Tensor:
+    return core.tex().fused_rope_backward(
+        grad,
+        freqs,
+        start_positions,
+        _qkv_format(tensor_format),
+        interleaved,
+        cu_seqlens,
+        cp_size,
+        cp_rank,
+    )
+
+
+fused_rope_fwd.fake(lambda a: a.t.new_empty(a.t.shape))
+fused_rope_bwd.fake(lambda a: a.grad.new_empty(a.grad.shape))
+
+
+def _setup_context(ctx, a, output) -> None:
+    ctx.save_for_backward(a.freqs, a.start_positions, a.cu_seqlens)
+    ctx.options = (a.tensor_format, a.interleaved, a.cp_size, a.cp_rank)
 
 
 def _backward(ctx, grad):
     freqs, start_positions, cu_seqlens = ctx.saved_tensors
-    grad_in = torch.ops.te_compile.fused_rope_bwd(
-        grad, freqs, start_positions, cu_seqlens, *ctx.config
-    )
-    return (grad_in,) + (None,) * 7
+    return {"t": fused_rope_bwd(grad, freqs, start_positions, cu_seqlens, *ctx.options)}
 
 
-registry.register_autograd(FUSED_ROPE_FWD, _backward, _setup_context)
+fused_rope_fwd.autograd(_setup_context, _backward)

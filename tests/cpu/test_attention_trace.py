@@ -14,7 +14,8 @@ from transformer_engine.common import recipe as R
 
 import te_compile
 from te_compile.modules import attention_backends
-from te_compile_testing import JointRecorder
+from te_compile.ops.attention import FusedAttnSpec
+from te_compile_testing import JointRecorder, op_args
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
 
@@ -23,9 +24,10 @@ H, D, S, B = 4, 16, cases.SEQ, cases.BATCH
 
 
 def attn_node(rec):
+    """The forward attention op's arguments by name, its `config` unpacked into them."""
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == ATTN_FWD)
-    names = [a.name for a in node.target._schema.arguments]
-    return {name: node.args[i] for i, name in enumerate(names) if i < len(node.args)}
+    args = op_args(node)
+    return {**args, **vars(FusedAttnSpec.from_key(args["config"]))}
 
 
 def compile_joint(fn, *args, **kwargs):
@@ -70,7 +72,7 @@ def test_dpa_separate_qkv(fmt, mask, groups, patched, graph_breaks):
     args = attn_node(rec)
     assert args["qkv_layout"] == f"{fmt}_{fmt}_{fmt}"
     assert args["attn_mask_type"] == mask
-    assert args["window_size"] == ([-1, 0] if "causal" in mask else [-1, -1])
+    assert args["window_size"] == ((-1, 0) if "causal" in mask else (-1, -1))
     assert args["bottom_right_diagonal"] is (mask != "causal")
     assert args["backend"] == 1  # cuDNN F16_arbitrary_seqlen, as TE picks on Hopper
     assert args["attn_scale"] == pytest.approx(D**-0.5)
@@ -354,8 +356,8 @@ def _call_fwd_kernel(layout="sb3hd"):
     from te_compile.ops import attention as attn_ops
 
     qkv = [torch.zeros(4, 2, 3, 1, 8)] if layout == "sb3hd" else [torch.zeros(4, 2, 1, 8)] * 3
-    cfg = (layout, "causal", [-1, 0], False, 4, 4, 0.25, 0.0, True, True, False, 1)
-    return attn_ops._fwd_kernel(qkv, None, None, None, None, *cfg)
+    cfg = cases.fused_attn_spec(layout, "causal")
+    return attn_ops.fused_attn_fwd.impl(qkv, None, None, None, None, 4, 4, cfg.key)
 
 
 @pytest.mark.parametrize("capturing", [False, True])

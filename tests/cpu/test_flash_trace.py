@@ -21,7 +21,7 @@ from transformer_engine.pytorch.attention.dot_product_attention.utils import Fla
 
 import te_compile
 from te_compile.modules import attention_backends
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, op_args
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
 
@@ -185,8 +185,7 @@ def trace(fn, *args):
 def flash_call(rec, target):
     """The stand-in op's call in the forward graph: {argument name: value (or node)}."""
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == target)
-    names = [a.name for a in node.target._schema.arguments]
-    return dict(zip(names, node.args, strict=False)), node
+    return op_args(node), node
 
 
 def shape(x):

@@ -16,6 +16,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
 import te_compile
+from te_compile.ops.attention import FusedAttnSpec
 from te_compile.recipes import QuantConfig
 from te_compile_testing import JointRecorder, op_args
 
@@ -128,9 +129,9 @@ def test_eval_mode_and_no_grad(patched, graph_breaks):
             )
     assert graph_breaks() == 0 and out.shape == (cases.SEQ, cases.BATCH, cases.HIDDEN)
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == ATTN_FWD)
-    args = op_args(node)
-    assert args["is_training"] is False
-    assert args["dropout"] == 0.0
+    config = FusedAttnSpec.from_key(op_args(node)["config"])
+    assert config.is_training is False
+    assert config.dropout == 0.0
 
 
 def test_negative_control_without_patch(graph_breaks):
