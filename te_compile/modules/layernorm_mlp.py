@@ -20,9 +20,10 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..ops import activation
-from ..ops.layernorm_mlp import MLPConfig
+from ..ops.layernorm_mlp import MLPSpec
 from ..patching import Swap
 from ..recipes import QuantConfig
+from ..spec import NormSpec
 from . import checkpointing, fp8_params, gemm_common, persistent_state
 
 NAME = "te.LayerNormMLP"
@@ -135,14 +136,16 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
     accumulate = not is_first_microbatch if is_first_microbatch is not None else True
 
-    mlp = MLPConfig(
+    norm = NormSpec(
         normalization=self.normalization,
         eps=self.eps,
         zero_centered_gamma=self.zero_centered_gamma,
-        activation=self.activation,
-        params=activation.params_tuple(self.activation, self.activation_params),
         fwd_sm_margin=self.fwd_ln_sm_margin if grad else self.inf_ln_sm_margin,
         bwd_sm_margin=self.bwd_ln_sm_margin,
+    )
+    mlp = MLPSpec(
+        activation=self.activation,
+        params=activation.params_tuple(self.activation, self.activation_params),
         bias_gelu=not fp8 and self.activation == "gelu" and _bias_gelu_fusion(self),
         return_ln=self.return_layernorm_output,
     )
@@ -154,20 +157,21 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         b1,
         op_w2,
         b2_fused,
-        gemm_common.forward_op_state(fwd_state),
-        bwd_state,
-        fc1_cache,
-        fc2_cache,
-        main1,
-        main2,
-        cfg.key,
-        mlp.key,
-        act_dtype,
-        save_norm,
-        save_fc1_input,
-        save_fc1_out,
-        save_fc2_input,
-        accumulate,
+        fwd_state=gemm_common.forward_op_state(fwd_state),
+        bwd_state=bwd_state,
+        fc1_cache=fc1_cache,
+        fc2_cache=fc2_cache,
+        fc1_main_grad=main1,
+        fc2_main_grad=main2,
+        config=cfg.key,
+        norm=norm.key,
+        mlp=mlp.key,
+        out_dtype=act_dtype,
+        save_norm=save_norm,
+        save_fc1_input=save_fc1_input,
+        save_fc1_out=save_fc1_out,
+        save_fc2_input=save_fc2_input,
+        accumulate=accumulate,
     )
     gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     out = outputs[0]

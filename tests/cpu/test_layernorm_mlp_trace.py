@@ -3,14 +3,19 @@ fullgraph traces of the module, forward and joint backward, per recipe and optio
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import mlp_cases
 import pytest
 import torch
 from transformer_engine.common import recipe as R
 
 import te_compile.ops  # noqa: F401  (registers the ops)
-from te_compile.ops import layernorm_mlp  # noqa: F401
+from te_compile.ops import layernorm_mlp
+from te_compile.ops.layernorm_mlp_layout import SaveFlags
 from te_compile.recipes import for_linear
+from te_compile.spec import NormSpec
+from te_compile_testing import op_args
 
 RECIPES = {
     "none": (lambda: None, "hopper"),
@@ -40,10 +45,11 @@ OPCHECK_CASES = [
 @pytest.mark.parametrize("name,act,norm,bias,return_ln", OPCHECK_CASES)
 def test_layernorm_mlp_ops_opcheck_on_fake(name, act, norm, bias, return_ln, fake_gpu, fake_cuda):
     fake_gpu(RECIPES[name][1])
-    mlp = mlp_cases.mlp_key(act, norm, return_ln, bias_gelu=name == "none" and act == "gelu")
-    args = mlp_cases.fwd_args(_config(name), mlp, bias, name == "delayed")
-    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_fwd.default, args)
-    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_bwd.default, mlp_cases.bwd_args(args))
+    keys = mlp_cases.spec_keys(act, norm, return_ln, bias_gelu=name == "none" and act == "gelu")
+    args = mlp_cases.fwd_args(_config(name), keys, bias, name == "delayed")
+    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_fwd.default, (), args)
+    bwd = mlp_cases.bwd_args(args)
+    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_bwd.default, (), bwd)
 
 
 # ---- the module, traced ----------------------------------------------------------------------
@@ -183,11 +189,12 @@ def test_options_joint_graph(option, name, meta_gpu, graph_breaks):
     assert x.grad.shape == x.shape and mlp.layer_norm_weight.grad is not None
     assert mlp.fc1_weight.grad is not None and mlp.fc2_weight.grad is not None
     node = next(n for n in rec.fw[0].graph.nodes if str(n.target) == FWD)
-    mlp_cfg = layernorm_mlp.MLPConfig.from_key(node.args[14])
-    assert mlp_cfg.normalization == mlp.normalization
-    assert mlp_cfg.zero_centered_gamma == mlp.zero_centered_gamma
+    args = op_args(node)
+    norm = NormSpec.from_key(args["norm"])
+    assert norm.normalization == mlp.normalization
+    assert norm.zero_centered_gamma == mlp.zero_centered_gamma
     if option == "clamped_swiglu_params":
-        assert mlp_cfg.params == (5.0, 1.5, 1.0)
+        assert layernorm_mlp.MLPSpec.from_key(args["mlp"]).params == (5.0, 1.5, 1.0)
 
 
 @pytest.mark.parametrize("name", ["none", "current", "block"])
@@ -222,7 +229,7 @@ def test_no_grad_saves_nothing(meta_gpu):
             x_meta(requires_grad=False)
         )
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == FWD)
-    assert node.args[16:20] == (False, False, False, False)
+    assert _save_flags(node) == (False, False, False, False)
     assert len(node.meta["val"]) == 1  # just the output
 
 
@@ -236,12 +243,16 @@ def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
     _, rec = joint_trace(mlp, R.Float8CurrentScaling(), x)
     assert graph_breaks() == 0 and x.grad.shape == x.shape
     node = next(n for n in rec.fw[0].graph.nodes if str(n.target) == FWD)
-    assert node.args[16:20] == (True, False, True, False)
+    assert _save_flags(node) == (True, False, True, False)
     # mu, rsigma, FC1 weight parts (2), fc1_out, FC2 weight parts (2)
     assert len(node.meta["val"]) == 1 + 2 + 2 + 1 + 2
 
 
 # ---- recipe-specific wiring --------------------------------------------------------------------
+
+
+def _save_flags(node) -> tuple[bool, ...]:
+    return tuple(SaveFlags.of(SimpleNamespace(**op_args(node))))
 
 
 def _fwd_node(rec):
@@ -252,7 +263,8 @@ def _fwd_node(rec):
 def test_bf16_gelu_uses_tes_bias_gelu_fusion(act, bias_gelu, meta_gpu):
     meta_gpu("hopper")
     _, rec = joint_trace(make_mlp(activation=act), None, x_meta())
-    assert layernorm_mlp.MLPConfig.from_key(_fwd_node(rec).args[14]).bias_gelu is bias_gelu
+    mlp = layernorm_mlp.MLPSpec.from_key(op_args(_fwd_node(rec))["mlp"])
+    assert mlp.bias_gelu is bias_gelu
 
 
 def test_delayed_state_is_tes_with_two_gemms(meta_gpu, graph_breaks):
@@ -290,9 +302,9 @@ def test_weight_caches_per_gemm_over_microbatches(name, meta_gpu, graph_breaks):
         _, rec = joint_trace(mlp, make(), x_meta(), is_first_microbatch=first)
         recs.append(rec)
         assert _targets(rec.fw).count("te_compile.quantize_weight.default") == 2
-        node = _fwd_node(rec)
-        assert node.args[9] and node.args[10]  # fc1_cache, fc2_cache
-        assert node.args[20] is (not first)  # accumulate
+        args = op_args(_fwd_node(rec))
+        assert args["fc1_cache"] and args["fc2_cache"]
+        assert args["accumulate"] is (not first)
     assert graph_breaks() == 0
     caches = mlp._te_compile_weight_caches
     assert sorted(k.split("|")[0] for k in caches) == ["fc1_weight", "fc2_weight"]

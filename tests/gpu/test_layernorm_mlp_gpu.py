@@ -292,10 +292,11 @@ def test_reduce_overhead_matches_eager(name, patched):
 def test_layernorm_mlp_ops_opcheck(name, act):
     skip_unless_supported(name)
     config = for_linear(recipe_for(name), fp8_transpose=_fp8_transpose()).key
-    mlp = mlp_cases.mlp_key(act, bias_gelu=name == "none" and act == "gelu")
-    args = mlp_cases.fwd_args(config, mlp, True, name == "delayed")
-    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_fwd.default, args)
-    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_bwd.default, mlp_cases.bwd_args(args))
+    keys = mlp_cases.spec_keys(act, bias_gelu=name == "none" and act == "gelu")
+    args = mlp_cases.fwd_args(config, keys, True, name == "delayed")
+    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_fwd.default, (), args)
+    bwd = mlp_cases.bwd_args(args)
+    torch.library.opcheck(torch.ops.te_compile.layernorm_mlp_bwd.default, (), bwd)
 
 
 def _fp8_transpose() -> bool:
