@@ -223,6 +223,11 @@ def op_args(node: torch.fx.Node) -> dict:
     if "auto_functionalized" in str(target):
         target, kwargs = node.args[0], dict(node.kwargs)
         names = [a.name for a in getattr(target, "default", target)._schema.arguments]
+        # auto_functionalized_v2 passes a mutated argument as an index into `_all_bases`.
+        bases = kwargs.get("_all_bases") or []
+        for n in names:
+            if kwargs.get(f"_{n}_base_index") is not None:
+                kwargs[n] = bases[kwargs[f"_{n}_base_index"]]
         return {n: kwargs.get(n) for n in names}
     names = [a.name for a in getattr(target, "default", target)._schema.arguments]
     args = dict(zip(names, node.args, strict=False))

@@ -1,7 +1,7 @@
 """What the compile paths of TE's GEMM modules (te.Linear, te.LayerNormLinear,
 te.LayerNormMLP) share at trace time: the recipe as a `QuantConfig`, the options they refuse,
-the activation dtype, DelayedScaling state and FP8 weight caches. Error messages name the
-module (`name`, e.g. "te.LayerNormLinear").
+the activation dtype, DelayedScaling state, FP8 weight caches, and the one-GEMM modules' forward
+skeleton (begin_forward, gemm_state, end_forward). Error messages name the module (`name`).
 
 Everything here runs while dynamo traces a patched forward: it reads module attributes and the
 autocast state as trace-time constants and calls only traceable code (or
@@ -11,6 +11,7 @@ autocast state as trace-time constants and calls only traceable code (or
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -20,6 +21,9 @@ from ..ops.fp8_operands import CACHEABLE_KINDS
 from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
 from . import persistent_state
 
+# Devices the compiled paths accept. On "meta" our ops run their fake kernels: simulate_gpu traces
+# that way without a GPU (the autograd engine asks the CUDA driver about every CUDA tensor).
+DEVICE_TYPES = ("cuda", "meta")
 WAY_OUT = "run this module outside torch.compile (or wrap the call in torch.compiler.disable)"
 
 
@@ -303,3 +307,94 @@ def cached_weight(
         scale, amax = scale[3 * gemm : 3 * gemm + 3], amax[3 * gemm : 3 * gemm + 3]
     torch.ops.te_compile.quantize_weight(weight, parts, valid, scale, amax, cfg.key, refresh)
     return parts
+
+
+# ---- the compiled forward's skeleton (te.Linear, te.LayerNormLinear) ---------------------------
+
+
+def concat_split(tensors: list) -> torch.Tensor:
+    """TE's noop_cat of split parameters, in the graph: one tensor of their rows."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class GemmInputs(NamedTuple):
+    """A one-GEMM module's forward, as read at trace time (`begin_forward`)."""
+
+    cfg: QuantConfig
+    recipe: object  # None without FP8
+    weight: torch.Tensor  # the split weights concatenated
+    bias: torch.Tensor | None
+    fused_bias: torch.Tensor | None  # the bias the GEMM adds (None when added after it)
+    act_dtype: torch.dtype
+
+
+class GemmState(NamedTuple):
+    """What a one-GEMM module's forward op gets besides its inputs (`gemm_state`)."""
+
+    fwd_state: list  # DelayedScaling: TE's [scale, amax_history[0]] (merged in `end_forward`)
+    bwd_state: list
+    op_weight: torch.Tensor  # the weight, or an FP8 parameter's gradient carrier
+    weight_cache: list
+    main_grad: torch.Tensor | None
+    accumulate: bool
+
+
+def begin_forward(
+    name: str, m, inp, *, is_first_microbatch, fp8_output, fp8_grad, on_device=()
+) -> GemmInputs:
+    """The recipe, refusals and checks of a one-GEMM module's compiled forward. `on_device`:
+    names of other module tensors that must be on the GPU (read here: reads order the graph)."""
+    from . import fp8_params  # (it imports this module)
+
+    fp8, recipe = autocast_recipe(name)
+    cfg = quant_config(name, recipe)
+    if m.fuse_wgrad_accumulation and len(m.weight_names) > 1:
+        raise unsupported(
+            name, "fuse_wgrad_accumulation with parameters_split", "use one weight parameter"
+        )
+    weights = [getattr(m, n) for n in m.weight_names]
+    check_module_options(
+        name,
+        m,
+        weights,
+        is_first_microbatch=is_first_microbatch,
+        fp8_output=fp8_output,
+        fp8_grad=fp8_grad,
+        cfg=cfg,
+    )
+    fp8_params.check(name, m, weights, cfg)
+    weight = concat_split(weights)
+    bias = concat_split([getattr(m, n) for n in m.bias_names]) if m.use_bias else None
+    if is_quantized(inp):
+        raise unsupported(name, "a quantized input tensor", "pass a high-precision tensor")
+    check_device(DEVICE_TYPES, inp, weight, *(getattr(m, n) for n in on_device))
+    if inp.shape[-1] != weight.shape[1]:
+        msg = f"input's last dimension {inp.shape[-1]} does not match in_features={weight.shape[1]}"
+        raise ValueError(f"{name}: {msg}")
+    if fp8:
+        check_fp8_dims(input=inp, weight=weight)
+    fused = bias if (m.apply_bias and not m.gemm_bias_unfused_add) else None
+    return GemmInputs(cfg, recipe, weight, bias, fused, activation_dtype(m, inp))
+
+
+def gemm_state(m, g: GemmInputs, is_first_microbatch) -> GemmState:
+    """DelayedScaling state, the op's weight (an FP8 parameter enters as its gradient carrier
+    and its parts, fp8_params.py; else the weight and its FP8 cache) and main_grad."""
+    from . import fp8_params
+
+    fwd_state, bwd_state = fp8_module_state(m, g.recipe, g.cfg)
+    op_weight, weight_cache = fp8_params.gemm_weight(
+        m, "weight", g.weight, g.cfg, fwd_state, is_first_microbatch
+    )
+    main_grad = g.weight.main_grad if m.fuse_wgrad_accumulation else None
+    # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
+    accumulate = not is_first_microbatch if is_first_microbatch is not None else True
+    return GemmState(fwd_state, bwd_state, op_weight, weight_cache, main_grad, accumulate)
+
+
+def end_forward(m, g: GemmInputs, s: GemmState, out, amaxes) -> torch.Tensor:
+    """`amaxes` (the op's last output) merged into TE's history; the bias added if unfused."""
+    merge_forward_amaxes(s.fwd_state, amaxes)
+    if m.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
+        out = out + g.bias.to(g.act_dtype)
+    return out

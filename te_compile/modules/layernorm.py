@@ -19,8 +19,8 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
+from ..spec import NormSpec
 from . import gemm_common
-from . import linear as _linear  # DEVICE_TYPES: the devices every compiled path accepts
 
 
 def compiled_forward(self, inp, *extra_inputs, normalization: str, **kwargs):
@@ -38,7 +38,7 @@ def compiled_forward(self, inp, *extra_inputs, normalization: str, **kwargs):
         )
     weight = self.weight
     bias = self.bias if normalization == "LayerNorm" else None
-    gemm_common.check_device(_linear.DEVICE_TYPES, inp, weight)
+    gemm_common.check_device(gemm_common.DEVICE_TYPES, inp, weight)
     weight_dims, input_dims = tuple(weight.shape), tuple(inp.shape)
     if len(input_dims) < len(weight_dims) or input_dims[-len(weight_dims) :] != weight_dims:
         raise ValueError(
@@ -56,16 +56,14 @@ def compiled_forward(self, inp, *extra_inputs, normalization: str, **kwargs):
         inp.requires_grad or any(p.requires_grad for p in params)
     )
     margins = self._sm_margins
-    out, _, _ = torch.ops.te_compile.norm_fwd(
-        x,
-        w,
-        b,
-        normalization,
-        float(self.eps),
-        margins["forward" if requires_grad else "inference"],
-        margins["backward"],
-        bool(self.zero_centered_gamma),
+    norm = NormSpec(
+        normalization=normalization,
+        eps=float(self.eps),
+        zero_centered_gamma=bool(self.zero_centered_gamma),
+        fwd_sm_margin=margins["forward" if requires_grad else "inference"],
+        bwd_sm_margin=margins["backward"],
     )
+    out, _, _ = torch.ops.te_compile.norm_fwd(x, w, b, norm.key)
     if requires_grad:
         state.is_first_fp8_module()  # consumed as TE's fuser consumes it
     return out.view(input_dims)

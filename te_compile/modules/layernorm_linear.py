@@ -21,112 +21,72 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
-from . import fp8_params, gemm_common
-from . import linear as _linear  # DEVICE_TYPES: the devices every compiled path accepts
+from ..spec import NormSpec
+from . import gemm_common
 
 NAME = "te.LayerNormLinear"
 
 
-def _unsupported(option: str, fix: str = ""):
-    return gemm_common.unsupported(NAME, option, fix)
-
-
-def _concat(tensors: list) -> torch.Tensor:
-    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-
-
-def _check_input(m, inp: torch.Tensor, weight: torch.Tensor, fp8: bool) -> None:
-    if gemm_common.is_quantized(inp):
-        raise _unsupported("a quantized input tensor", "pass a high-precision tensor")
-    gemm_common.check_device(_linear.DEVICE_TYPES, inp, weight, m.layer_norm_weight)
-    if inp.shape[-1] != weight.shape[1]:
-        raise ValueError(
-            f"te.LayerNormLinear: input's last dimension {inp.shape[-1]} does not match "
-            f"in_features={weight.shape[1]}"
-        )
-    if fp8:
-        gemm_common.check_fp8_dims(input=inp, weight=weight)
-
-
 def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     """The traceable te.LayerNormLinear forward (see the module docstring)."""
-    fp8, recipe = gemm_common.autocast_recipe(NAME)
-    cfg = gemm_common.quant_config(NAME, recipe)
-    weights = [getattr(self, n) for n in self.weight_names]
-    gemm_common.check_module_options(
+    g = gemm_common.begin_forward(
         NAME,
         self,
-        weights,
+        inp,
         is_first_microbatch=is_first_microbatch,
         fp8_output=fp8_output,
         fp8_grad=fp8_grad,
-        cfg=cfg,
+        on_device=("layer_norm_weight",),
     )
-    fp8_params.check(NAME, self, weights, cfg)
-    if self.fuse_wgrad_accumulation and len(weights) > 1:
-        raise _unsupported(
-            "fuse_wgrad_accumulation with parameters_split", "use one weight parameter"
-        )
-    weight = _concat(weights)
-    bias = _concat([getattr(self, n) for n in self.bias_names]) if self.use_bias else None
-    _check_input(self, inp, weight, fp8)
-    act_dtype = gemm_common.activation_dtype(self, inp)
-
+    act_dtype = g.act_dtype
     inp_shape = inp.shape
     x = inp.contiguous().view(-1, inp_shape[-1]).to(act_dtype)
     ln_weight = self.layer_norm_weight.to(act_dtype)
     ln_bias = self.layer_norm_bias
     ln_bias = ln_bias.to(act_dtype) if ln_bias is not None else None
-    fused_bias = bias if (self.apply_bias and not self.gemm_bias_unfused_add) else None
 
     grad = torch.is_grad_enabled()
     # What backward reads, decided as eager TE decides it (from requires_grad at forward).
     norm_params = [p for p in (self.layer_norm_weight, self.layer_norm_bias) if p is not None]
     needs_norm_grads = inp.requires_grad or any(p.requires_grad for p in norm_params)
-    save_input = grad and weight.requires_grad
+    save_input = grad and g.weight.requires_grad
     save_weight = grad and needs_norm_grads
-    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
-    # An FP8 parameter enters as its gradient carrier and its parts (fp8_params.py).
-    op_weight, weight_cache = fp8_params.gemm_weight(
-        self, "weight", weight, cfg, fwd_state, is_first_microbatch
+    s = gemm_common.gemm_state(self, g, is_first_microbatch)
+    norm = NormSpec(
+        normalization=self.normalization,
+        eps=float(self.eps),
+        zero_centered_gamma=bool(self.zero_centered_gamma),
+        fwd_sm_margin=self.fwd_ln_sm_margin if grad else self.inf_ln_sm_margin,
+        bwd_sm_margin=self.bwd_ln_sm_margin,
     )
-    main_grad = weight.main_grad if self.fuse_wgrad_accumulation else None
-    # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
-    accumulate = not is_first_microbatch if is_first_microbatch is not None else True
     gathered = self.return_layernorm_output_gathered
     outputs = torch.ops.te_compile.layernorm_linear_fwd(
         x,
         ln_weight,
         ln_bias,
-        op_weight,
-        fused_bias,
-        gemm_common.forward_op_state(fwd_state),
-        bwd_state,
-        weight_cache,
-        main_grad,
-        self.normalization,
-        float(self.eps),
-        self.fwd_ln_sm_margin if grad else self.inf_ln_sm_margin,
-        self.bwd_ln_sm_margin,
-        bool(self.zero_centered_gamma),
-        cfg.key,
+        s.op_weight,
+        g.fused_bias,
+        gemm_common.forward_op_state(s.fwd_state),
+        s.bwd_state,
+        s.weight_cache,
+        s.main_grad,
+        norm.key,
+        g.cfg.key,
         save_input,
         save_weight,
         # Eager TE skips the fused norm+quantize when the norm output is returned or gathered.
         self.return_layernorm_output or gathered,
-        accumulate,
+        s.accumulate,
     )
     out = outputs[0].view(-1, *inp_shape[1:-1], outputs[0].shape[-1])
-    gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
-    if self.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
-        out = out + bias.to(act_dtype)
+    out = gemm_common.end_forward(self, g, s, out, outputs[-1])
     ln_out = None
     if self.return_layernorm_output:
         ln_out = outputs[3].view(inp_shape)
         if gathered:  # eager TE adds no gradient of a gathered norm output to its backward
             ln_out = ln_out.detach()
     if self.return_bias:
-        bias_out = bias.to(act_dtype) if bias is not None else None
+        bias_out = g.bias.to(g.act_dtype) if g.bias is not None else None
         return (out, bias_out, ln_out) if self.return_layernorm_output else (out, bias_out)
     return (out, ln_out) if self.return_layernorm_output else out
 

@@ -2,58 +2,53 @@
 GEMM input's quantization where eager TE fuses it, norm.norm_for_gemm) in front of the shared
 GEMM layer (gemm_layer.py, the code te.Linear's ops run).
 
-    te_compile::layernorm_linear_fwd(inp, ln_weight, ln_bias?, weight, bias?, fwd_state,
-        bwd_state, weight_cache, main_grad?, normalization, eps, sm_margin, bwd_sm_margin,
-        zero_centered_gamma, config, save_input, save_weight, return_ln_out, accumulate)
-        -> [out, mu, rsigma, (ln_out), *input_parts, *weight_parts, (fwd_amax)]
-    te_compile::layernorm_linear_bwd(grad_out, grad_ln_out?, inp, mu, rsigma, ln_weight,
-        ln_out?, weight?, bias?, input_parts, weight_parts, bwd_scale!?, bwd_history!?,
-        main_grad!?, normalization, sm_margin, zero_centered_gamma, config, has_bias,
-        needs_norm_grads, needs_wgrad, accumulate)
-        -> (dinp, dln_weight, dln_bias, wgrad, dbias), each empty ([0]) when not computed
+    layernorm_linear_fwd -> [out, mu, rsigma, (ln_out), *input_parts, *weight_parts,
+                             (fwd_amax)]
+    layernorm_linear_bwd -> (dinp, dln_weight, dln_bias, wgrad, dbias), each empty ([0]) when
+                            not computed
 
 `inp` is 2-D [tokens, in_features] and inp, ln_weight, ln_bias are in the activation dtype
 (the module casts, as eager TE does inside its autograd.Function); the output has that dtype.
 mu is empty for RMSNorm. `ln_out` (the high-precision norm output) is an output when the
-module returns it (`return_ln_out`) or, without FP8, when wgrad reads it. State, caches,
-main_grad, `config` and the saved parts are as in linear.py.
+module returns it (`return_ln_out`) or, without FP8, when wgrad reads it. `norm` is
+`NormSpec.key`; state, caches, main_grad, `config` and the saved parts are as in linear.py.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..recipes import QuantConfig
-from . import gemm_layer, registry
+from ..spec import NormSpec
+from . import gemm_layer
 from .fp8_operands import columnwise_count, weight_cache_columnwise
-from .norm import norm_bwd, norm_for_gemm
+from .norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
+from .registry import op
 
 
 def _has_ln_out(cfg: QuantConfig, save_input: bool, return_ln_out: bool) -> bool:
     return return_ln_out or (not cfg.fp8 and save_input)
 
 
+@op()
 def layernorm_linear_fwd(
-    inp,
-    ln_weight,
-    ln_bias,
-    weight,
-    bias,
-    fwd_state,
-    bwd_state,
-    weight_cache,
-    main_grad,
-    normalization,
-    eps,
-    sm_margin,
-    bwd_sm_margin,
-    zero_centered_gamma,
-    config,
-    save_input,
-    save_weight,
-    return_ln_out,
-    accumulate,
-):
+    inp: Tensor,
+    ln_weight: Tensor,
+    ln_bias: Tensor | None,
+    weight: Tensor,
+    bias: Tensor | None,
+    fwd_state: list[Tensor],
+    bwd_state: list[Tensor],
+    weight_cache: list[Tensor],
+    main_grad: Tensor | None,
+    norm: str,
+    config: str,
+    save_input: bool,
+    save_weight: bool,
+    return_ln_out: bool,
+    accumulate: bool,
+) -> list[Tensor]:
     """norm(inp) @ weight.T + bias. DelayedScaling: `fwd_state` = [scale]; this call's amaxes
     are returned last (see linear.linear_fwd)."""
     cfg = QuantConfig.from_key(config)
@@ -63,10 +58,7 @@ def layernorm_linear_fwd(
         ln_weight,
         ln_bias,
         cfg,
-        normalization=normalization,
-        eps=eps,
-        sm_margin=sm_margin,
-        zero_centered_gamma=zero_centered_gamma,
+        NormSpec.from_key(norm),
         state=state,
         columnwise=save_input,
         return_hp=return_ln_out,
@@ -90,75 +82,53 @@ def layernorm_linear_fwd(
     return [out, mu, rsigma, *kept, *saved, *([state[1]] if state else [])]
 
 
-def _fwd_fake(
-    inp,
-    ln_weight,
-    ln_bias,
-    weight,
-    bias,
-    fwd_state,
-    bwd_state,
-    weight_cache,
-    main_grad,
-    normalization,
-    eps,
-    sm_margin,
-    bwd_sm_margin,
-    zero_centered_gamma,
-    config,
-    save_input,
-    save_weight,
-    return_ln_out,
-    accumulate,
-):
-    cfg = QuantConfig.from_key(config)
-    tokens = inp.shape[0]
-    out = inp.new_empty([tokens, weight.shape[0]])
-    mu = inp.new_empty([tokens if normalization == "LayerNorm" else 0], dtype=torch.float32)
-    rsigma = inp.new_empty([tokens], dtype=torch.float32)
-    kept = [torch.empty_like(inp)] if _has_ln_out(cfg, save_input, return_ln_out) else []
+@layernorm_linear_fwd.fake
+def _(a):
+    cfg = QuantConfig.from_key(a.config)
+    inp = a.inp
+    mu, rsigma = stats_shapes(NormSpec.from_key(a.norm), inp.shape[0])
+    out = inp.new_empty([inp.shape[0], a.weight.shape[0]])
+    stats = [inp.new_empty(mu, dtype=torch.float32), inp.new_empty(rsigma, dtype=torch.float32)]
+    kept = [torch.empty_like(inp)] if _has_ln_out(cfg, a.save_input, a.return_ln_out) else []
     saved = gemm_layer.fake_saved_parts(
         inp.shape,
-        weight.shape,
+        a.weight.shape,
         cfg,
-        save_input=save_input,
-        save_weight=save_weight,
-        weight_cache=weight_cache,
+        save_input=a.save_input,
+        save_weight=a.save_weight,
+        weight_cache=a.weight_cache,
         like=inp,
     )
-    amax = [torch.empty_like(fwd_state[0])] if fwd_state else []
-    return [out, mu, rsigma, *kept, *saved, *amax]
+    return [out, *stats, *kept, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
 
 
+@op(mutates=("bwd_scale", "bwd_history", "main_grad"))
 def layernorm_linear_bwd(
-    grad_out,
-    grad_ln_out,
-    inp,
-    mu,
-    rsigma,
-    ln_weight,
-    ln_out,
-    weight,
-    bias,
-    input_parts,
-    weight_parts,
-    bwd_scale,
-    bwd_history,
-    main_grad,
-    normalization,
-    sm_margin,
-    zero_centered_gamma,
-    config,
-    has_bias,
-    needs_norm_grads,
-    needs_wgrad,
-    accumulate,
-):
+    grad_out: Tensor,
+    grad_ln_out: Tensor | None,
+    inp: Tensor,
+    mu: Tensor,
+    rsigma: Tensor,
+    ln_weight: Tensor,
+    ln_out: Tensor | None,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    input_parts: list[Tensor],
+    weight_parts: list[Tensor],
+    bwd_scale: Tensor | None,
+    bwd_history: Tensor | None,
+    main_grad: Tensor | None,
+    norm: str,
+    config: str,
+    has_bias: bool,
+    needs_norm_grads: bool,
+    needs_wgrad: bool,
+    accumulate: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of layernorm_linear_fwd, as eager TE's `_LayerNormLinear.backward`: the GEMM
     layer's backward (grad_output quantized with both halves), the gradient of a returned
     norm output added to dgrad, then TE's norm backward."""
     cfg = QuantConfig.from_key(config)
-    state = [bwd_scale, bwd_history[0]] if cfg.fp8 and bwd_history is not None else None
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     dgrad, wgrad, dbias = gemm_layer.backward(
         g,
@@ -168,7 +138,7 @@ def layernorm_linear_bwd(
         bias=bias,
         input_parts=input_parts,
         weight_parts=weight_parts,
-        state=state,
+        state=gemm_layer.backward_state(cfg, bwd_scale, bwd_history),
         main_grad=main_grad,
         out_dtype=inp.dtype,
         has_bias=has_bias,
@@ -178,115 +148,61 @@ def layernorm_linear_bwd(
         device_index=grad_out.device.index,
         grad_columnwise=True,
     )
-    if bwd_history is not None:
-        gemm_layer.update_backward_state(bwd_scale, bwd_history, cfg)
+    gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
     dx = dgamma = dbeta = None
     if needs_norm_grads:
         if grad_ln_out is not None:
             dgrad = dgrad + grad_ln_out.reshape(dgrad.shape)
-        dx, dgamma, dbeta = norm_bwd(
-            dgrad,
-            inp,
-            mu,
-            rsigma,
-            ln_weight,
-            normalization=normalization,
-            sm_margin=sm_margin,
-            zero_centered_gamma=zero_centered_gamma,
-        )
-
-    def none():  # a result not asked for (outputs of one op may not alias each other)
-        return inp.new_empty([0])
-
-    return tuple(none() if t is None else t for t in (dx, dgamma, dbeta, wgrad, dbias))
+        dx, dgamma, dbeta = tex_norm_bwd(dgrad, inp, mu, rsigma, ln_weight, NormSpec.from_key(norm))
+    return gemm_layer.results(inp, inp.dtype, dx, dgamma, dbeta, wgrad, dbias)
 
 
-def _bwd_fake(
-    grad_out,
-    grad_ln_out,
-    inp,
-    mu,
-    rsigma,
-    ln_weight,
-    ln_out,
-    weight,
-    bias,
-    input_parts,
-    weight_parts,
-    bwd_scale,
-    bwd_history,
-    main_grad,
-    normalization,
-    sm_margin,
-    zero_centered_gamma,
-    config,
-    has_bias,
-    needs_norm_grads,
-    needs_wgrad,
-    accumulate,
-):
-    cfg = QuantConfig.from_key(config)
-    out_features, in_features = grad_out.shape[-1], inp.shape[-1]
-
-    def empty(shape, wanted: bool):
-        return inp.new_empty(shape if wanted else [0])
-
-    layernorm = normalization == "LayerNorm"
-    return (
-        empty(list(inp.shape), needs_norm_grads),
-        empty([in_features], needs_norm_grads),
-        empty([in_features], needs_norm_grads and layernorm),
-        empty([out_features, in_features], needs_wgrad and main_grad is None),
-        empty([out_features], gemm_layer.returns_dbias(cfg, has_bias, needs_wgrad)),
+@layernorm_linear_bwd.fake
+def _(a):
+    cfg = QuantConfig.from_key(a.config)
+    out_features, in_features = a.grad_out.shape[-1], a.inp.shape[-1]
+    norm_grads = a.needs_norm_grads
+    return gemm_layer.fake_results(
+        a.inp,
+        a.inp.dtype,
+        (list(a.inp.shape), norm_grads),
+        ([in_features], norm_grads),
+        ([in_features], norm_grads and has_beta(NormSpec.from_key(a.norm))),
+        ([out_features, in_features], a.needs_wgrad and a.main_grad is None),
+        ([out_features], gemm_layer.returns_dbias(cfg, a.has_bias, a.needs_wgrad)),
     )
 
 
 # ---- autograd ----------------------------------------------------------------------------------
 
-_N_INPUTS = 19  # arguments of layernorm_linear_fwd
 
-
-def _setup_context(ctx, inputs, output) -> None:
-    (inp, ln_weight, ln_bias, weight, bias, fwd_state, bwd_state, weight_cache, main_grad) = inputs[
-        :9
-    ]
-    normalization, _, _, bwd_sm_margin, zcg, config, save_input, save_weight, return_ln_out = (
-        inputs[9:18]
-    )
-    cfg = QuantConfig.from_key(config)
-    ctx.config, ctx.normalization, ctx.bwd_sm_margin, ctx.zcg = (
-        config,
-        normalization,
-        bwd_sm_margin,
-        zcg,
-    )
-    ctx.n_fwd_state, ctx.n_weight_cache = len(fwd_state), len(weight_cache)
-    # Mutable state rides on ctx, not save_for_backward: backward mutates it in place.
-    ctx.bwd_state, ctx.main_grad, ctx.accumulate = bwd_state, main_grad, inputs[18]
-    ctx.has_bias = bias is not None
-    ctx.return_ln_out = return_ln_out
-    ctx.n_input_parts = columnwise_count(cfg) if cfg.fp8 and save_input else 0
-    out, mu, rsigma, *rest = output
-    has_ln_out = _has_ln_out(cfg, save_input, return_ln_out)
+def _setup_context(ctx, a, output) -> None:
+    cfg = QuantConfig.from_key(a.config)
+    ctx.a = gemm_layer.ride_along(a)  # the scalars and the state backward mutates
+    ctx.has_bias = a.bias is not None
+    ctx.n_input_parts = columnwise_count(cfg) if cfg.fp8 and a.save_input else 0
+    _, mu, rsigma, *rest = output
+    has_ln_out = _has_ln_out(cfg, a.save_input, a.return_ln_out)
     ln_out = rest[0] if has_ln_out else None
-    parts = rest[1 if has_ln_out else 0 : len(rest) - (1 if fwd_state else 0)]
-    non_diff = [mu, rsigma, *rest[1 if has_ln_out else 0 :]]
-    if ln_out is not None and not return_ln_out:
+    after_ln_out = rest[1 if has_ln_out else 0 :]
+    parts = after_ln_out[: len(after_ln_out) - len(a.fwd_state[:1])]  # not the returned amaxes
+    non_diff = [mu, rsigma, *after_ln_out]
+    if ln_out is not None and not a.return_ln_out:
         non_diff.append(ln_out)
     ctx.mark_non_differentiable(*non_diff)
     if cfg.fp8:
-        if save_weight and weight_cache:
-            parts = [*parts, *weight_cache_columnwise(weight_cache, cfg)]
-        ctx.save_for_backward(inp, mu, rsigma, ln_weight, None, None, None, *parts)
+        if a.save_weight and a.weight_cache:
+            parts = [*parts, *weight_cache_columnwise(a.weight_cache, cfg)]
+        ctx.save_for_backward(a.inp, mu, rsigma, a.ln_weight, None, None, None, *parts)
     else:
         ctx.save_for_backward(
-            inp,
+            a.inp,
             mu,
             rsigma,
-            ln_weight,
-            ln_out if save_input else None,
-            weight if save_weight else None,
-            bias,
+            a.ln_weight,
+            ln_out if a.save_input else None,
+            a.weight if a.save_weight else None,
+            a.bias,
         )
 
 
@@ -295,68 +211,45 @@ def _backward(ctx, grads):
     needs = ctx.needs_input_grad
     needs_norm_grads = any(needs[:3])
     needs_wgrad, needs_dbias = needs[3], needs[4]
-    nones = (
-        [None] * ctx.n_fwd_state,
-        [None] * len(ctx.bwd_state),
-        [None] * ctx.n_weight_cache,
-        *([None] * (_N_INPUTS - 8)),
-    )
     if grad_out is None or not (needs_norm_grads or needs_wgrad or needs_dbias):
-        return None, None, None, None, None, *nones
+        return {}
+    a = ctx.a
     inp, mu, rsigma, ln_weight, ln_out, weight, bias, *parts = ctx.saved_tensors
-    grad_ln_out = grads[3] if ctx.return_ln_out else None  # [out, mu, rsigma, ln_out, ...]
     n = ctx.n_input_parts
-    dx, dgamma, dbeta, wgrad, dbias = torch.ops.te_compile.layernorm_linear_bwd(
-        grad_out,
-        grad_ln_out,
-        inp,
-        mu,
-        rsigma,
-        ln_weight,
-        ln_out,
-        weight,
-        bias,
-        parts[:n],
-        parts[n:],
-        *(ctx.bwd_state or [None, None]),
-        ctx.main_grad,
-        ctx.normalization,
-        ctx.bwd_sm_margin,
-        ctx.zcg,
-        ctx.config,
-        ctx.has_bias,
-        needs_norm_grads,
-        needs_wgrad,
-        ctx.accumulate,
+    bwd_scale, bwd_history = a.bwd_state or [None, None]
+    dx, dgamma, dbeta, wgrad, dbias = layernorm_linear_bwd(
+        grad_out=grad_out,
+        grad_ln_out=grads[3] if a.return_ln_out else None,  # [out, mu, rsigma, ln_out, ...]
+        inp=inp,
+        mu=mu,
+        rsigma=rsigma,
+        ln_weight=ln_weight,
+        ln_out=ln_out,
+        weight=weight,
+        bias=bias,
+        input_parts=parts[:n],
+        weight_parts=parts[n:],
+        bwd_scale=bwd_scale,
+        bwd_history=bwd_history,
+        main_grad=a.main_grad,
+        norm=a.norm,
+        config=a.config,
+        has_bias=ctx.has_bias,
+        needs_norm_grads=needs_norm_grads,
+        needs_wgrad=needs_wgrad,
+        accumulate=a.accumulate,
     )
-    cfg = QuantConfig.from_key(ctx.config)
-    return (
-        dx if needs[0] else None,
-        dgamma if needs[1] else None,
-        dbeta if needs[2] and ctx.normalization == "LayerNorm" else None,
-        wgrad if needs_wgrad and ctx.main_grad is None else None,
-        dbias if needs_dbias and gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad) else None,
-        *nones,
-    )
+    cfg = QuantConfig.from_key(a.config)
+    return {
+        "inp": dx if needs[0] else None,
+        "ln_weight": dgamma if needs[1] else None,
+        "ln_bias": dbeta if needs[2] and has_beta(NormSpec.from_key(a.norm)) else None,
+        # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
+        "weight": wgrad if needs_wgrad and a.main_grad is None else None,
+        "bias": dbias
+        if needs_dbias and gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad)
+        else None,
+    }
 
 
-LAYERNORM_LINEAR_FWD = registry.define(
-    "layernorm_linear_fwd(Tensor inp, Tensor ln_weight, Tensor? ln_bias, Tensor weight, "
-    "Tensor? bias, Tensor[] fwd_state, Tensor[] bwd_state, Tensor[] weight_cache, "
-    "Tensor? main_grad, str normalization, float eps, int sm_margin, int bwd_sm_margin, "
-    "bool zero_centered_gamma, str config, bool save_input, bool save_weight, "
-    "bool return_ln_out, bool accumulate) -> Tensor[]",
-    layernorm_linear_fwd,
-    _fwd_fake,
-)
-registry.register_autograd(LAYERNORM_LINEAR_FWD, _backward, _setup_context)
-LAYERNORM_LINEAR_BWD = registry.define(
-    "layernorm_linear_bwd(Tensor grad_out, Tensor? grad_ln_out, Tensor inp, Tensor mu, "
-    "Tensor rsigma, Tensor ln_weight, Tensor? ln_out, Tensor? weight, Tensor? bias, "
-    "Tensor[] input_parts, Tensor[] weight_parts, Tensor(a!)? bwd_scale, "
-    "Tensor(b!)? bwd_history, Tensor(c!)? main_grad, str normalization, int sm_margin, "
-    "bool zero_centered_gamma, str config, bool has_bias, bool needs_norm_grads, "
-    "bool needs_wgrad, bool accumulate) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
-    layernorm_linear_bwd,
-    _bwd_fake,
-)
+layernorm_linear_fwd.autograd(_setup_context, _backward)

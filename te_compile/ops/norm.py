@@ -1,18 +1,16 @@
 """TE's normalization kernels (LayerNorm, RMSNorm): Python helpers for every op that
 normalizes, and the ops of te.LayerNorm / te.RMSNorm.
 
-    te_compile::norm_fwd(x, weight, bias?, normalization, eps, sm_margin, bwd_sm_margin,
-                         zero_centered_gamma) -> (out, mu, rsigma)
-    te_compile::norm_bwd(dz, x, mu, rsigma, gamma, normalization, sm_margin,
-                         zero_centered_gamma) -> (dx, dgamma, dbeta)
+    norm_fwd -> (out, mu, rsigma)
+    norm_bwd -> (dx, dgamma, dbeta)
 
-`x` is 2-D [tokens, hidden] and x, weight, bias share one dtype (the module casts, as TE's
-ops do); mu and rsigma are float32 [tokens]. RMSNorm has no bias, mean or dbeta: those
-slots hold empty tensors ([0]).
+`norm` is `NormSpec.key` (spec.py). `x` is 2-D [tokens, hidden] and x, weight, bias share one
+dtype (the module casts, as TE's ops do); mu and rsigma are float32 [tokens]. RMSNorm has no
+bias, mean or dbeta: those slots hold empty tensors ([0]).
 
-Helpers (run inside op kernels only):
-- `norm_fwd` / `norm_bwd`: one call of tex.layernorm_fwd / rmsnorm_fwd / *_bwd, with the
-  arguments eager TE's `apply_normalization` and `_LayerNormLinear.backward` pass.
+Helpers (run inside op kernels only; `spec` is a NormSpec, or any object with its fields):
+- `tex_norm_fwd` / `tex_norm_bwd`: one call of tex.layernorm_fwd / rmsnorm_fwd / *_bwd, with
+  the arguments eager TE's `apply_normalization` and `_LayerNormLinear.backward` pass.
 - `norm_for_gemm`: the norm in front of a GEMM (LayerNormLinear, LayerNormMLP), quantizing
   its output for the GEMM the way eager TE does: one fused tex call with the GEMM input's
   quantizer where TE fuses (FP8 and the norm output not returned; TE's C++ then picks fully
@@ -24,9 +22,12 @@ Helpers (run inside op kernels only):
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ..recipes import QuantConfig
-from . import core, gemm_layer, registry
+from ..spec import NormSpec
+from . import core, gemm_layer
+from .registry import op
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -36,65 +37,46 @@ def _check(normalization: str) -> None:
         raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
 
 
-def norm_fwd(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    normalization: str,
-    eps: float,
-    sm_margin: int,
-    zero_centered_gamma: bool,
-    out_dtype: torch.dtype,
-    quantizer=None,
+def has_beta(spec) -> bool:
+    """LayerNorm has a bias (beta) and a mean; RMSNorm neither."""
+    return spec.normalization == "LayerNorm"
+
+
+def tex_norm_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, spec, *, out_dtype, quantizer=None
 ):
     """(out, mu, rsigma) of TE's norm kernel on 2-D `x`. `out` is a `out_dtype` tensor, or the
     TE storage `quantizer` makes (TE's C++ decides how far it fuses); mu is None for RMSNorm."""
-    _check(normalization)
+    _check(spec.normalization)
     otype = core.te_dtype(out_dtype)
-    if normalization == "LayerNorm":
-        out, mu, rsigma = core.tex().layernorm_fwd(
-            x, weight, bias, eps, None, quantizer, otype, sm_margin, zero_centered_gamma
+    margin, zcg = spec.fwd_sm_margin, spec.zero_centered_gamma
+    if has_beta(spec):
+        return core.tex().layernorm_fwd(
+            x, weight, bias, spec.eps, None, quantizer, otype, margin, zcg
         )
-        return out, mu, rsigma
     out, _, rsigma = core.tex().rmsnorm_fwd(
-        x, weight, eps, None, quantizer, otype, sm_margin, zero_centered_gamma
+        x, weight, spec.eps, None, quantizer, otype, margin, zcg
     )
     return out, None, rsigma
 
 
-def norm_bwd(
-    dz: torch.Tensor,
-    x: torch.Tensor,
-    mu: torch.Tensor | None,
-    rsigma: torch.Tensor,
-    gamma: torch.Tensor,
-    *,
-    normalization: str,
-    sm_margin: int,
-    zero_centered_gamma: bool,
-):
+def tex_norm_bwd(dz: Tensor, x: Tensor, mu: Tensor | None, rsigma: Tensor, gamma: Tensor, spec):
     """(dx, dgamma, dbeta) of TE's norm backward kernel; dbeta is None for RMSNorm."""
-    _check(normalization)
-    if normalization == "LayerNorm":
-        dx, dgamma, dbeta = core.tex().layernorm_bwd(
-            dz, x, mu, rsigma, gamma, sm_margin, zero_centered_gamma
-        )
-        return dx, dgamma, dbeta
-    dx, dgamma = core.tex().rmsnorm_bwd(dz, x, rsigma, gamma, sm_margin, zero_centered_gamma)
+    _check(spec.normalization)
+    margin, zcg = spec.bwd_sm_margin, spec.zero_centered_gamma
+    if has_beta(spec):
+        return core.tex().layernorm_bwd(dz, x, mu, rsigma, gamma, margin, zcg)
+    dx, dgamma = core.tex().rmsnorm_bwd(dz, x, rsigma, gamma, margin, zcg)
     return dx, dgamma, None
 
 
 def norm_for_gemm(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
     cfg: QuantConfig,
+    spec,
     *,
-    normalization: str,
-    eps: float,
-    sm_margin: int,
-    zero_centered_gamma: bool,
     state,
     columnwise: bool,
     return_hp: bool,
@@ -106,111 +88,81 @@ def norm_for_gemm(
     quantized by the GEMM's input quantizer (row-wise, plus column-wise when `columnwise`),
     DelayedScaling through `state` as in `gemm_layer.bound_quantizer`; `ln_out` is the
     high-precision output when `return_hp` (then TE does not fuse), else None."""
-    kwargs = dict(
-        normalization=normalization,
-        eps=eps,
-        sm_margin=sm_margin,
-        zero_centered_gamma=zero_centered_gamma,
-        out_dtype=x.dtype,
-    )
     if not cfg.fp8:
-        out, mu, rsigma = norm_fwd(x, weight, bias, **kwargs)
+        out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
         return out, out, mu, rsigma
     if not return_hp:
         with gemm_layer.bound_quantizer(
             cfg, "input", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
         ) as q:
-            out, mu, rsigma = norm_fwd(x, weight, bias, quantizer=q, **kwargs)
+            out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype, quantizer=q)
         return out, None, mu, rsigma
-    out, mu, rsigma = norm_fwd(x, weight, bias, **kwargs)
+    out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
     quantized = gemm_layer.quantize(out, cfg, "input", True, columnwise, state, gemm=gemm)
     return quantized, out, mu, rsigma
+
+
+def stats_shapes(spec, tokens: int) -> tuple[list[int], list[int]]:
+    """Shapes of (mu, rsigma), float32: RMSNorm's mu is empty."""
+    return [tokens if has_beta(spec) else 0], [tokens]
 
 
 # ---- te.LayerNorm / te.RMSNorm ops ---------------------------------------------------------------
 
 
-def _empty(like: torch.Tensor) -> torch.Tensor:
-    return like.new_empty([0], dtype=torch.float32)
+@op()
+def norm_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor | None, norm: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    spec = NormSpec.from_key(norm)
+    out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
+    if mu is None:
+        mu = x.new_empty(stats_shapes(spec, x.shape[0])[0], dtype=torch.float32)
+    return out, mu, rsigma
 
 
-def _norm_fwd_op(x, weight, bias, normalization, eps, sm_margin, bwd_sm_margin, zcg):
-    out, mu, rsigma = norm_fwd(
-        x,
-        weight,
-        bias,
-        normalization=normalization,
-        eps=eps,
-        sm_margin=sm_margin,
-        zero_centered_gamma=zcg,
-        out_dtype=x.dtype,
-    )
-    return out, _empty(x) if mu is None else mu, rsigma
+@norm_fwd.fake
+def _(a):
+    spec = NormSpec.from_key(a.norm)
+    _check(spec.normalization)
+    mu, rsigma = stats_shapes(spec, a.x.shape[0])
+    f32 = torch.float32
+    return torch.empty_like(a.x), a.x.new_empty(mu, dtype=f32), a.x.new_empty(rsigma, dtype=f32)
 
 
-def _norm_fwd_fake(x, weight, bias, normalization, eps, sm_margin, bwd_sm_margin, zcg):
-    _check(normalization)
-    tokens = x.shape[0]
-    mu = x.new_empty([tokens if normalization == "LayerNorm" else 0], dtype=torch.float32)
-    return torch.empty_like(x), mu, x.new_empty([tokens], dtype=torch.float32)
-
-
-def _norm_bwd_op(dz, x, mu, rsigma, gamma, normalization, sm_margin, zcg):
-    dx, dgamma, dbeta = norm_bwd(
-        dz.contiguous(),
-        x,
-        mu,
-        rsigma,
-        gamma,
-        normalization=normalization,
-        sm_margin=sm_margin,
-        zero_centered_gamma=zcg,
-    )
+@op()
+def norm_bwd(
+    dz: Tensor, x: Tensor, mu: Tensor, rsigma: Tensor, gamma: Tensor, norm: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    spec = NormSpec.from_key(norm)
+    dx, dgamma, dbeta = tex_norm_bwd(dz.contiguous(), x, mu, rsigma, gamma, spec)
     return dx, dgamma, gamma.new_empty([0]) if dbeta is None else dbeta
 
 
-def _norm_bwd_fake(dz, x, mu, rsigma, gamma, normalization, sm_margin, zcg):
-    _check(normalization)
-    dbeta_shape = list(gamma.shape) if normalization == "LayerNorm" else [0]
-    return torch.empty_like(x), torch.empty_like(gamma), gamma.new_empty(dbeta_shape)
+@norm_bwd.fake
+def _(a):
+    spec = NormSpec.from_key(a.norm)
+    _check(spec.normalization)
+    dbeta = list(a.gamma.shape) if has_beta(spec) else [0]
+    return torch.empty_like(a.x), torch.empty_like(a.gamma), a.gamma.new_empty(dbeta)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, normalization, eps, sm_margin, bwd_sm_margin, zcg = inputs
+def _setup_context(ctx, a, output) -> None:
     _, mu, rsigma = output
     ctx.mark_non_differentiable(mu, rsigma)
-    ctx.save_for_backward(x, mu, rsigma, weight)
-    ctx.normalization, ctx.bwd_sm_margin, ctx.zcg = normalization, bwd_sm_margin, zcg
+    ctx.save_for_backward(a.x, mu, rsigma, a.weight)
+    ctx.norm = a.norm
 
 
 def _backward(ctx, grad_out, _grad_mu, _grad_rsigma):
     x, mu, rsigma, weight = ctx.saved_tensors
-    dx, dgamma, dbeta = torch.ops.te_compile.norm_bwd(
-        grad_out, x, mu, rsigma, weight, ctx.normalization, ctx.bwd_sm_margin, ctx.zcg
-    )
+    dx, dgamma, dbeta = norm_bwd(grad_out, x, mu, rsigma, weight, ctx.norm)
     needs = ctx.needs_input_grad
-    return (
-        dx if needs[0] else None,
-        dgamma if needs[1] else None,
-        dbeta if needs[2] and ctx.normalization == "LayerNorm" else None,
-        None,
-        None,
-        None,
-        None,
-        None,
-    )
+    return {
+        "x": dx if needs[0] else None,
+        "weight": dgamma if needs[1] else None,
+        "bias": dbeta if needs[2] and has_beta(NormSpec.from_key(ctx.norm)) else None,
+    }
 
 
-NORM_FWD = registry.define(
-    "norm_fwd(Tensor x, Tensor weight, Tensor? bias, str normalization, float eps, "
-    "int sm_margin, int bwd_sm_margin, bool zero_centered_gamma) -> (Tensor, Tensor, Tensor)",
-    _norm_fwd_op,
-    _norm_fwd_fake,
-)
-registry.register_autograd(NORM_FWD, _backward, _setup_context)
-NORM_BWD = registry.define(
-    "norm_bwd(Tensor dz, Tensor x, Tensor mu, Tensor rsigma, Tensor gamma, str normalization, "
-    "int sm_margin, bool zero_centered_gamma) -> (Tensor, Tensor, Tensor)",
-    _norm_bwd_op,
-    _norm_bwd_fake,
-)
+norm_fwd.autograd(_setup_context, _backward)

@@ -14,10 +14,12 @@ from transformer_engine.common import recipe as R
 
 from te_compile.modules import persistent_state
 from te_compile.recipes import QuantConfig
+from te_compile.spec import NormSpec
 from te_compile_testing import (
     JointRecorder,
     build_without_gpu,
     meta_accepted,
+    op_args,
     op_targets,
     recipe_state_on,
 )
@@ -101,9 +103,9 @@ def test_joint_graph(name, normalization, bias, return_ln, meta_gpu):
     if bias:
         assert m.bias.grad.shape == (OUT,)
     node = fwd_node(rec.fw)
-    names = [a.name for a in node.target._schema.arguments]
-    assert QuantConfig.from_key(node.args[names.index("config")]).kind == name
-    assert node.args[names.index("normalization")] == normalization
+    args = op_args(node)
+    assert QuantConfig.from_key(args["config"]).kind == name
+    assert NormSpec.from_key(args["norm"]).normalization == normalization
     # FP8 without a returned norm output fuses the norm with the input's quantization: the
     # high-precision norm output is then neither saved nor returned.
     has_ln_out = return_ln or name == "none"
@@ -154,9 +156,7 @@ def test_zero_centered_gamma_and_fp32(normalization, meta_gpu):
     rec, out = joint(m, R.Float8CurrentScaling(), x)
     out.sum().backward()
     assert out.dtype == torch.float32 and graph_breaks() == 0
-    node = fwd_node(rec.fw)
-    names = [a.name for a in node.target._schema.arguments]
-    assert node.args[names.index("zero_centered_gamma")] is True
+    assert NormSpec.from_key(op_args(fwd_node(rec.fw))["norm"]).zero_centered_gamma is True
     assert m.layer_norm_weight.grad.dtype == torch.float32
 
 
@@ -181,9 +181,7 @@ def test_return_layernorm_output_gathered_runs_unfused_without_ln_grad(meta_gpu)
     rec, (out, ln_out) = joint(m, R.Float8CurrentScaling(), x)
     assert not ln_out.requires_grad
     out.sum().backward()
-    node = fwd_node(rec.fw)
-    names = [a.name for a in node.target._schema.arguments]
-    assert node.args[names.index("return_ln_out")] is True and graph_breaks() == 0
+    assert op_args(fwd_node(rec.fw))["return_ln_out"] is True and graph_breaks() == 0
 
 
 @pytest.mark.parametrize("name", ["current", "block", "delayed"])
@@ -216,7 +214,7 @@ def test_fuse_wgrad_accumulation(name, meta_gpu):
     assert graph_breaks() == 0 and m.weight.grad is None
     bwd = next(n for gm in rec.bw for n in gm.graph.nodes if "auto_functionalized" in str(n.target))
     assert "layernorm_linear_bwd" in str(bwd.args[0])
-    assert any("main_grad" in k and bwd.kwargs[k] is not None for k in bwd.kwargs), bwd.kwargs
+    assert op_args(bwd)["main_grad"] is not None, bwd.kwargs
 
 
 def test_delayed_state_created_with_one_gemm(meta_gpu):

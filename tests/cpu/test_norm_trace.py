@@ -14,7 +14,8 @@ import transformer_engine.pytorch as te
 from conftest import compile_fullgraph
 from transformer_engine.common import recipe as R
 
-from te_compile_testing import JointRecorder, build_without_gpu, meta_accepted, op_targets
+from te_compile.spec import NormSpec
+from te_compile_testing import JointRecorder, build_without_gpu, meta_accepted, op_args, op_targets
 
 H = 64
 NORMS = {"LayerNorm": te.LayerNorm, "RMSNorm": te.RMSNorm}
@@ -40,6 +41,11 @@ def op_node(graphs, name):
     return next(n for gm in graphs for n in gm.graph.nodes if name in str(n.target))
 
 
+def norm_of(graphs) -> NormSpec:
+    """The NormSpec of the graphs' norm_fwd call."""
+    return NormSpec.from_key(op_args(op_node(graphs, "norm_fwd"))["norm"])
+
+
 @pytest.mark.parametrize("name", list(NORMS))
 @pytest.mark.parametrize("shape", [(32, H), (4, 8, H)])
 def test_forward_one_graph(name, shape, patched, fake_gpu, fake_cuda, backend, graph_breaks):
@@ -50,8 +56,8 @@ def test_forward_one_graph(name, shape, patched, fake_gpu, fake_cuda, backend, g
     assert out.shape == shape and out.dtype == torch.bfloat16
     assert len(backend.graphs) == 1 and graph_breaks() == 0
     assert backend.targets().count("te_compile.norm_fwd") == 1
-    node = op_node(backend.graphs, "norm_fwd")
-    assert node.args[3] == name and node.args[4] == 1e-6  # normalization, eps
+    spec = norm_of(backend.graphs)
+    assert spec.normalization == name and spec.eps == 1e-6
 
 
 @pytest.mark.parametrize("name", list(NORMS))
@@ -77,8 +83,7 @@ def test_forward_backward_joint_graph(
     if name == "LayerNorm":
         assert norm.bias.grad.shape == (H,)
     assert (x.grad is not None) == requires_grad
-    node = op_node(rec.fw, "norm_fwd")
-    assert node.args[7] == zero_centered_gamma
+    assert norm_of(rec.fw).zero_centered_gamma == zero_centered_gamma
 
 
 def test_bf16_input_fp32_params_computes_in_fp32(patched, fake_gpu, graph_breaks):
@@ -99,13 +104,13 @@ def test_sm_margin_dict_reaches_the_kernels(patched, fake_gpu, fake_cuda, backen
     norm = make_norm("LayerNorm", "cuda", sm_margin={"forward": 2, "backward": 3, "inference": 4})
     x = torch.empty(32, H, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     compile_fullgraph(call(norm), backend)(x)
-    node = op_node(backend.graphs, "norm_fwd")
-    assert (node.args[5], node.args[6]) == (2, 3)
+    spec = norm_of(backend.graphs)
+    assert (spec.fwd_sm_margin, spec.bwd_sm_margin) == (2, 3)
     with torch.no_grad():
         torch._dynamo.reset()
         backend.graphs.clear()
         compile_fullgraph(call(norm), backend)(x)
-    assert op_node(backend.graphs, "norm_fwd").args[5] == 4  # inference margin
+    assert norm_of(backend.graphs).fwd_sm_margin == 4  # inference margin
 
 
 def test_wrong_hidden_size(patched, fake_gpu, fake_cuda):

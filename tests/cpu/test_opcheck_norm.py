@@ -19,8 +19,8 @@ NORMS = ["LayerNorm", "RMSNorm"]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_ops_opcheck_on_fake(normalization, dtype, fake_cuda):
     args = norm_cases.norm_fwd_args(normalization, dtype)
-    torch.library.opcheck(torch.ops.te_compile.norm_fwd.default, args)
-    torch.library.opcheck(torch.ops.te_compile.norm_bwd.default, norm_cases.norm_bwd_args(args))
+    torch.library.opcheck(torch.ops.te_compile.norm_fwd.default, (), args)
+    torch.library.opcheck(torch.ops.te_compile.norm_bwd.default, (), norm_cases.norm_bwd_args(args))
 
 
 @pytest.mark.parametrize("normalization", NORMS)
@@ -34,9 +34,9 @@ def test_layernorm_linear_ops_opcheck_on_fake(
     fake_gpu(generation)
     config = for_linear(make(), fp8_transpose=True).key
     args = norm_cases.lnl_fwd_args(config, normalization, bias, name == "delayed", return_ln_out)
-    torch.library.opcheck(torch.ops.te_compile.layernorm_linear_fwd.default, args)
+    torch.library.opcheck(torch.ops.te_compile.layernorm_linear_fwd.default, (), args)
     torch.library.opcheck(
-        torch.ops.te_compile.layernorm_linear_bwd.default, norm_cases.lnl_bwd_args(args)
+        torch.ops.te_compile.layernorm_linear_bwd.default, (), norm_cases.lnl_bwd_args(args)
     )
 
 
@@ -46,7 +46,7 @@ def test_layernorm_linear_cached_weight_opcheck_on_fake(name, fake_gpu, fake_cud
     fake_gpu(generation)
     config = for_linear(make(), fp8_transpose=True).key
     args = norm_cases.lnl_fwd_args(config, "LayerNorm", True, name == "delayed", cached_weight=True)
-    torch.library.opcheck(torch.ops.te_compile.layernorm_linear_fwd.default, args)
+    torch.library.opcheck(torch.ops.te_compile.layernorm_linear_fwd.default, (), args)
     torch.library.opcheck(
-        torch.ops.te_compile.layernorm_linear_bwd.default, norm_cases.lnl_bwd_args(args)
+        torch.ops.te_compile.layernorm_linear_bwd.default, (), norm_cases.lnl_bwd_args(args)
     )

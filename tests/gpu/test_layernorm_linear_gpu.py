@@ -244,10 +244,11 @@ def test_layernorm_linear_ops_opcheck(name, normalization, patched):
     fwd_checks = checks + (() if name in PADDED_SCALES else ("test_aot_dispatch_dynamic",))
     bwd_checks = checks + (() if name == "nvfp4" else ("test_aot_dispatch_dynamic",))
     torch.library.opcheck(
-        torch.ops.te_compile.layernorm_linear_fwd.default, args, test_utils=fwd_checks
+        torch.ops.te_compile.layernorm_linear_fwd.default, (), args, test_utils=fwd_checks
     )
     torch.library.opcheck(
         torch.ops.te_compile.layernorm_linear_bwd.default,
+        (),
         norm_cases.lnl_bwd_args(args),
         test_utils=bwd_checks,
     )

@@ -127,5 +127,5 @@ def test_reduce_overhead_matches_eager(name, patched):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_norm_ops_opcheck(normalization, dtype, patched):
     args = norm_cases.norm_fwd_args(normalization, dtype)
-    torch.library.opcheck(torch.ops.te_compile.norm_fwd.default, args)
-    torch.library.opcheck(torch.ops.te_compile.norm_bwd.default, norm_cases.norm_bwd_args(args))
+    torch.library.opcheck(torch.ops.te_compile.norm_fwd.default, (), args)
+    torch.library.opcheck(torch.ops.te_compile.norm_bwd.default, (), norm_cases.norm_bwd_args(args))
