@@ -1,11 +1,11 @@
-"""Which attention backend the compiled DotProductAttention runs, and the FlashAttention call.
+"""Which attention backend the compiled DotProductAttention runs, and the calls of TE's modules.
 
 `select_backend` is TE's own `get_attention_backend`, run eagerly while dynamo traces (an
 `assume_constant_result` function: device capability, cuDNN version, flash-attn install and the
 NVTE_* switches are read as eager TE reads them; no device query is traced). With it comes
-whether the flash-attn TE picked can trace at all (`flash_refusal`). `flash_attention` calls
-TE's own FlashAttention module as eager DotProductAttention does; attention.py refuses what
-this path does not cover before calling it.
+whether the flash-attn TE picked can trace at all (`flash_refusal`). `flash_attention` and
+`unfused_attention` call TE's own FlashAttention and UnfusedDotProductAttention modules as eager
+DotProductAttention does; attention_refusals.py refuses what this path does not cover first.
 """
 
 from __future__ import annotations
@@ -60,10 +60,35 @@ def flash_refusal(major: int) -> str:
     return "TE runs FlashAttention 4 outside torch.compile's graph"
 
 
-def flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask_type, window, softcap):
+def _te_module_kwargs(m, call: dict, layout, seqlens: tuple, mask_type, window, softcap) -> dict:
+    """What eager DotProductAttention passes both TE's FlashAttention and its
+    UnfusedDotProductAttention module (no FP8, bias, ALiBi or KV cache: refused before)."""
+    cu_q, cu_kv, max_q, max_kv = seqlens
+    return dict(
+        attention_mask=call["attention_mask"],
+        qkv_layout=layout,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_kv,
+        max_seqlen_q=max_q,
+        max_seqlen_kv=max_kv,
+        attn_mask_type=mask_type,
+        window_size=window,
+        softcap=softcap,
+        alibi_slopes=None,
+        inference_params=None,
+        fp8=False,
+        fp8_meta=m.fp8_meta,
+        quantizers=m.quantizers,
+        fp8_output=False,
+    )
+
+
+def flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask: tuple, softcap):
     """TE's own FlashAttention module with the arguments eager DotProductAttention passes it
     (flash-attn >= 2.7 only: its kernels are custom ops with fake kernels, so dynamo traces
-    TE's layout changes, packing for padding masks and flash-attn's autograd.Functions)."""
+    TE's layout changes, packing for padding masks and flash-attn's autograd.Functions).
+    `seqlens`: (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv); `mask`:
+    (attn_mask_type, window_size, bottom_right_diagonal)."""
     from transformer_engine.pytorch.attention.dot_product_attention import (
         dot_product_attention as dpa_module,
     )
@@ -71,7 +96,7 @@ def flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask_type, w
         FlashAttentionUtils,
     )
 
-    cu_q, cu_kv, max_q, max_kv = seqlens
+    mask_type, window, _ = mask
     heads = int(q.shape[-2])
     trim = None
     if q.shape[-1] != v.shape[-1]:
@@ -82,28 +107,35 @@ def flash_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask_type, w
         q,
         k,
         v,
-        attention_mask=call["attention_mask"],
-        qkv_layout=layout,
-        cu_seqlens_q=cu_q,
-        cu_seqlens_kv=cu_kv,
-        attn_mask_type=mask_type,
-        window_size=window,
-        softcap=softcap,
-        alibi_slopes=None,
         cp_group=None,
-        max_seqlen_q=max_q,
-        max_seqlen_kv=max_kv,
-        fp8=False,
-        fp8_meta=m.fp8_meta,
-        quantizers=m.quantizers,
         pad_between_seqs=bool(call["pad_between_seqs"]),
-        inference_params=None,
         flash_attention_backend=FlashAttentionUtils.version,
-        fp8_output=False,
         num_splits=int(call["num_splits"] or 1),
         cu_seqlens_q_padded=call["cu_seqlens_q_padded"],
         cu_seqlens_kv_padded=call["cu_seqlens_kv_padded"],
+        **_te_module_kwargs(m, call, layout, seqlens, mask_type, window, softcap),
     )
     if trim is not None:
         out = dpa_module._trim_output(out, heads, *trim)
     return out
+
+
+def unfused_attention(m, call: dict, q, k, v, layout, seqlens: tuple, mask: tuple, softcap):
+    """TE's own UnfusedDotProductAttention module (TE 2.20 wrote it traceable: its softmax
+    kernels are TE custom ops), called as eager DotProductAttention calls it."""
+    from transformer_engine.pytorch.attention.dot_product_attention import (
+        dot_product_attention as dpa_module,
+    )
+
+    mask_type, window, diagonal = mask
+    return m.unfused_attention(
+        dpa_module._alibi_cache,
+        q,
+        k,
+        v,
+        bottom_right_diagonal=diagonal,
+        core_attention_bias_type="no_bias",
+        core_attention_bias=None,
+        softmax_offset=None,
+        **_te_module_kwargs(m, call, layout, seqlens, mask_type, window, softcap),
+    )
