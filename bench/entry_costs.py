@@ -25,9 +25,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from op_overhead import per_call_us  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 
+from te_compile.kernels import extension as core  # noqa: E402
+from te_compile.kernels.fp8_operands import _storage_classes, quantizer  # noqa: E402
 from te_compile.modules.linear import _quant_config  # noqa: E402
-from te_compile.ops import core, registry  # noqa: E402
-from te_compile.ops.fp8_operands import _storage_classes  # noqa: E402
+from te_compile.ops import registry  # noqa: E402
 from te_compile.recipes import QuantConfig  # noqa: E402
 
 
@@ -51,8 +52,8 @@ def table(tokens: int, k: int, n: int) -> None:
     x = torch.randn(tokens, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16)
     cfg = _quant_config(R.Float8CurrentScaling())
-    q_in = core.quantizer(cfg, "input", rowwise=True, columnwise=True)
-    q_w = core.quantizer(cfg, "weight", rowwise=True, columnwise=True, weight_shape=(n, k))
+    q_in = quantizer(cfg, "input", rowwise=True, columnwise=True)
+    q_w = quantizer(cfg, "weight", rowwise=True, columnwise=True, weight_shape=(n, k))
     tex = core.tex()
     xq, wq = tex.quantize(x, q_in), tex.quantize(w, q_w)
     F8, _ = _storage_classes()
@@ -75,7 +76,7 @@ def table(tokens: int, k: int, n: int) -> None:
         return out
 
     cfg_d = _quant_config(R.DelayedScaling())
-    q_d = core.quantizer(cfg_d, "input", rowwise=True, columnwise=True)
+    q_d = quantizer(cfg_d, "input", rowwise=True, columnwise=True)
     scale, amax = torch.ones(1, device=dev), torch.zeros(1, device=dev)
 
     def quantize_delayed():

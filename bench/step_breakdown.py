@@ -37,7 +37,8 @@ from stacks import build  # noqa: E402
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
 import te_compile  # noqa: E402
-from te_compile.ops import core, gemm_layer  # noqa: E402
+from te_compile.kernels import extension as core  # noqa: E402
+from te_compile.kernels import gemm_layer  # noqa: E402
 
 TIMES: dict[str, list[float]] = collections.defaultdict(list)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from te_compile.ops.fp8_operands import weight_cache_specs
+from te_compile.kernels.fp8_operands import weight_cache_specs
 from te_compile.recipes import QuantConfig
 
 IN, OUT = 128, 256

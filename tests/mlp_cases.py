@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from te_compile.ops import activation
+from te_compile.kernels import activation
 from te_compile.ops.layernorm_mlp import MLPSpec
 from te_compile.ops.layernorm_mlp_layout import SaveFlags
 from te_compile.recipes import QuantConfig

@@ -79,7 +79,7 @@ def lnl_bwd_args(fwd: dict) -> dict:
     ln_out = rest[0] if has_ln_out else None
     parts = rest[1:] if has_ln_out else rest
     if fwd["weight_cache"]:
-        from te_compile.ops.fp8_operands import weight_cache_columnwise
+        from te_compile.kernels.fp8_operands import weight_cache_columnwise
 
         parts = [*parts, *weight_cache_columnwise(fwd["weight_cache"], cfg)]
     n = len(parts) // 2

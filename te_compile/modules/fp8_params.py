@@ -7,7 +7,7 @@ the parameters after each step. Dynamo cannot pass a QuantizedTensor to an op (m
 tensor fails), but it traces reads of the plain tensors it holds. So each FP8 weight enters the
 GEMM op as two things:
 
-- Its parts, in the layout of an FP8 weight cache (ops/fp8_operands.py): the op reads them
+- Its parts, in the layout of an FP8 weight cache (kernels/fp8_operands.py): the op reads them
   instead of quantizing, as eager TE's GEMM reads the parameter (TE's `quantize_weight` hands a
   QuantizedTensor parameter over as it is, with its own scale_inv), and backward saves their
   column-wise half. Per-tensor FP8 with a separate transpose (Hopper) reads the parameter's
@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from ..ops.te_dtypes import te_fp8_dtype
+from ..kernels.te_dtypes import te_fp8_dtype
 from ..patching import Swap
 from ..recipes import QuantConfig
 from . import gemm_common, persistent_state

@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UnsupportedUnderCompileError
-from ..ops.amax_groups import reduction_group_name
-from ..ops.fp8_operands import CACHEABLE_KINDS
+from ..kernels.amax_groups import reduction_group_name
+from ..kernels.fp8_operands import CACHEABLE_KINDS
 from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
 from . import persistent_state
 

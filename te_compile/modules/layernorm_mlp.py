@@ -6,7 +6,7 @@ the module's configuration as trace-time constants, refuses what it does not imp
 (whose autograd formula calls `te_compile::layernorm_mlp_bwd`), plus
 `te_compile::quantize_weight` per GEMM weight for FP8 weight caching (is_first_microbatch).
 
-Supported: LayerNorm and RMSNorm, every activation of TE's table (ops/activation.py) with
+Supported: LayerNorm and RMSNorm, every activation of TE's table (kernels/activation.py) with
 activation_params, bias on/off, return_bias, return_layernorm_output, zero_centered_gamma,
 set_parallel_mode without TP, fuse_wgrad_accumulation, is_first_microbatch, checkpoint=True
 (te_compile.checkpoint around the forward), and the recipes of
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
-from ..ops import activation
+from ..kernels import activation
 from ..ops.layernorm_mlp import MLPSpec
 from ..patching import Swap
 from ..recipes import QuantConfig

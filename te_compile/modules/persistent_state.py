@@ -32,7 +32,7 @@ import weakref
 
 import torch
 
-from ..ops.fp8_operands import weight_cache_specs
+from ..kernels.fp8_operands import weight_cache_specs
 from ..recipes import DelayedFields, QuantConfig
 
 # Module attributes (plain values, so guards compare values, not identities).

@@ -1,14 +1,13 @@
-"""Custom ops, one file per TE kernel family, on a shared core (core.py: TE's GEMM and cached
-quantizers). Arguments are plain values (tensors, numbers, strings, lists; the recipe config is
-one string, `QuantConfig.key`); TE objects (quantizers, FP8 storages) live inside the ops.
+"""The custom ops: registrations only, each declared once (registry.py) from its typed
+implementation. Arguments are plain values (tensors, numbers, strings, lists; configuration as
+one `Spec.key` string per role, spec.py); TE objects (quantizers, FP8 storages) live inside the
+op bodies, which call into TE through kernels/.
 
-Importing this package registers: te_compile::amax_and_scale_update (delayed_scaling.py),
-te_compile::linear_fwd, te_compile::linear_bwd and te_compile::quantize_weight (linear.py),
-te_compile::norm_fwd and te_compile::norm_bwd (norm.py), te_compile::layernorm_linear_fwd and
-te_compile::layernorm_linear_bwd (layernorm_linear.py), te_compile::layernorm_mlp_fwd and
-te_compile::layernorm_mlp_bwd (layernorm_mlp.py), te_compile::fused_attn_fwd and
-te_compile::fused_attn_bwd (attention.py), te_compile::fused_rope_fwd and te_compile::fused_rope_bwd
-(rope.py)."""
+Importing this package registers, per TE module family: te_compile::linear_fwd, linear_bwd,
+quantize_weight (linear.py); norm_fwd, norm_bwd (norm.py); layernorm_linear_fwd/_bwd
+(layernorm_linear.py); layernorm_mlp_fwd/_bwd (layernorm_mlp.py; its saved-tensor layout in
+layernorm_mlp_layout.py); fused_attn_fwd/_bwd (attention.py); fused_rope_fwd/_bwd (rope.py);
+amax_and_scale_update, scale_snapshot (delayed_scaling.py)."""
 
 from . import (  # noqa: F401
     attention,

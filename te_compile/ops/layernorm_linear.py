@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import gemm_layer
+from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
+from ..kernels.norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from ..recipes import QuantConfig
 from ..spec import NormSpec
-from . import gemm_layer
-from .fp8_operands import columnwise_count, weight_cache_columnwise
-from .norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from .registry import op
 
 

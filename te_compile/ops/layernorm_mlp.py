@@ -28,12 +28,12 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
+from ..kernels import activation, gemm_layer
+from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
+from ..kernels.norm import norm_for_gemm, tex_norm_bwd
 from ..recipes import QuantConfig
 from ..spec import NormSpec, Spec, labelled, spec
-from . import activation, gemm_layer
 from . import layernorm_mlp_layout as layout
-from .fp8_operands import columnwise_count, weight_cache_columnwise
-from .norm import norm_for_gemm, tex_norm_bwd
 from .registry import op
 
 FC1, FC2 = 0, 1  # GEMM indices (DelayedScaling slots)

@@ -26,10 +26,10 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels import gemm_layer
+from ..kernels.activation import output_features
+from ..kernels.fp8_operands import columnwise_count, fake_columnwise_parts
 from ..recipes import QuantConfig
-from . import gemm_layer
-from .activation import output_features
-from .fp8_operands import columnwise_count, fake_columnwise_parts
 
 Segments = tuple[tuple[str, int], ...]  # (group name, tensor count)
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import gemm_layer
+from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 from ..recipes import QuantConfig
-from . import gemm_layer
-from .fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 from .registry import op
 
 

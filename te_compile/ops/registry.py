@@ -86,17 +86,3 @@ def op(*, mutates: tuple[str, ...] = (), tags: tuple = ()) -> Callable[[Callable
     (`tags`: torch.Tag values of its schema, e.g. nondeterministic_seeded)."""
     return lambda impl: Op(impl, mutates, tags)
 
-
-# ---- legacy (ops not yet declared with `op`; removed once none is left) ------------------------
-
-
-def define(schema: str, impl: Callable, fake: Callable):
-    name = schema.split("(", 1)[0]
-    _LIB.define(schema)
-    _LIB.impl(name, impl, "CUDA")
-    torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_LIB)
-    return getattr(getattr(torch.ops, NAMESPACE), name)
-
-
-def register_autograd(op, backward: Callable, setup_context: Callable) -> None:
-    torch.library.register_autograd(op.default, backward, setup_context=setup_context, lib=_LIB)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from . import core
+from ..kernels import extension
 from .registry import op
 
 FORMATS = ("sbhd", "bshd", "thd")
@@ -36,7 +36,7 @@ def fused_rope_fwd(
     cp_size: int,
     cp_rank: int,
 ) -> Tensor:
-    return core.tex().fused_rope_forward(
+    return extension.tex().fused_rope_forward(
         t,
         freqs,
         start_positions,
@@ -59,7 +59,7 @@ def fused_rope_bwd(
     cp_size: int,
     cp_rank: int,
 ) -> Tensor:
-    return core.tex().fused_rope_backward(
+    return extension.tex().fused_rope_backward(
         grad,
         freqs,
         start_positions,

@@ -1,4 +1,4 @@
-"""te_compile/ops/activation.py against eager TE's LayerNormMLP (no GPU).
+"""te_compile/kernels/activation.py against eager TE's LayerNormMLP (no GPU).
 
 - The activation table is TE's own: same names, same kernels, fused dbias kernels for the same
   recipes (`_get_act_func_supported_list`).
@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformer_engine.common import recipe as R
 
-from te_compile.ops import activation, core, gemm_layer
+from te_compile.kernels import activation, gemm_layer
+from te_compile.kernels import extension
 from te_compile.recipes import for_linear
 
 RECIPES = {
@@ -69,12 +70,12 @@ class _Recorder:
     def __init__(self, monkeypatch):
         self.calls = []
         monkeypatch.setattr(activation, "_kernel", self.kernel)
-        monkeypatch.setattr(core, "quantizer", self.quantizer)
-        monkeypatch.setattr(core, "quantize", lambda t, q: self.log("quantize", q) or "q")
+        monkeypatch.setattr(gemm_layer, "quantizer", self.quantizer)
+        monkeypatch.setattr(extension, "quantize", lambda t, q: self.log("quantize", q) or "q")
         monkeypatch.setattr(
-            core, "bgrad_quantize", lambda t, q: self.log("bgrad_quantize", q) or ("db", "q")
+            extension, "bgrad_quantize", lambda t, q: self.log("bgrad_quantize", q) or ("db", "q")
         )
-        monkeypatch.setattr(core, "with_state", self.with_state)
+        monkeypatch.setattr(extension, "with_state", self.with_state)
 
     def log(self, *call):
         self.calls.append(call)

@@ -123,7 +123,7 @@ def _targets(graphs):
     return op_targets(graphs)
 
 
-ACTIVATIONS = list(__import__("te_compile.ops.activation", fromlist=["x"]).ACTIVATIONS)
+ACTIVATIONS = list(__import__("te_compile.kernels.activation", fromlist=["x"]).ACTIVATIONS)
 
 
 @pytest.mark.parametrize("act", ACTIVATIONS)

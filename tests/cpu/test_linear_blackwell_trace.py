@@ -20,8 +20,8 @@ from transformer_engine.pytorch.module import base
 from transformer_engine.pytorch.tensor import nvfp4_tensor
 
 import te_compile.modules.linear as module_linear
-from te_compile.ops import operands_mx
-from te_compile.ops.fp8_operands import make_quantizer
+from te_compile.kernels import operands_mx
+from te_compile.kernels.fp8_operands import quantizer as make_quantizer
 from te_compile.recipes import QuantConfig, for_linear
 from te_compile_testing import JointRecorder, op_args, op_targets
 
@@ -315,7 +315,7 @@ def test_unsupported_nvfp4_options_are_named(kwargs, option, blackwell, fake_cud
 def test_rebuilt_storage_matches_te(name, role, shape, pretend, nvfp4_without_gpu):
     """The backward op's column-wise storage, rebuilt from the saved parts, carries what TE's
     own column-wise storage carries (everything the GEMM reads; no quantizer needed)."""
-    from te_compile.ops.fp8_operands import columnwise_storage
+    from te_compile.kernels.fp8_operands import columnwise_storage
 
     pretend("blackwell")
     cfg = for_linear(RECIPES[name](), fp8_transpose=False)

@@ -26,14 +26,15 @@ from types import SimpleNamespace
 import torch
 
 from ..recipes import QuantConfig
-from . import core
-from .delayed_scaling import update_amax_and_scale
+from . import extension
+from .delayed_update import amax_and_scale_update
 from .fp8_operands import (
     DELAYED_SLOT,
     check_scale_layout,
     columnwise_parts,
     columnwise_storage,
     fake_columnwise_parts,
+    quantizer,
     weight_cache_storage,
 )
 
@@ -80,12 +81,12 @@ def bound_quantizer(
     a module's DelayedScaling `state` = [scale, amax] (1-D over the role's direction's slots;
     None for other recipes). For fused TE kernels that take a quantizer (tex.layernorm_fwd,
     tex.gelu, ...): they quantize with exactly what `quantize` would use."""
-    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=weight_shape)
+    q = quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=weight_shape)
     if state is None:
         yield q
         return
     slot = _slot(role, gemm)
-    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
+    with extension.with_state(q, state[0][slot], state[1][slot : slot + 1]):
         yield q
 
 
@@ -106,20 +107,20 @@ def quantize(
     as (dbias, quantized) with `bgrad`). DelayedScaling passes `state` = [scale, amax] (see
     `bound_quantizer`); `gemm` picks the GEMM's slots in a module of several GEMMs."""
     shape = tuple(tensor.shape) if role == "weight" else None
-    q = core.quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
+    q = quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
     if state is None:
         return _run_quantize(tensor, q, into, noop, bgrad)
     slot = _slot(role, gemm)
-    with core.with_state(q, state[0][slot], state[1][slot : slot + 1]):
+    with extension.with_state(q, state[0][slot], state[1][slot : slot + 1]):
         return _run_quantize(tensor, q, into, noop, bgrad)
 
 
 def _run_quantize(tensor, q, into, noop, bgrad):
     if bgrad:
-        return core.bgrad_quantize(tensor, q)
+        return extension.bgrad_quantize(tensor, q)
     if into is not None:
-        return core.quantize_into(tensor, q, into, noop)
-    return core.quantize(tensor, q)
+        return extension.quantize_into(tensor, q, into, noop)
+    return extension.quantize(tensor, q)
 
 
 # ---- forward -----------------------------------------------------------------------------------
@@ -150,7 +151,7 @@ def forward(
     not cached (dgrad; a cached weight is saved from the cache). Without FP8 nothing is saved
     here: backward reads the high-precision operands."""
     if not cfg.fp8:
-        out, _ = core.gemm(
+        out, _ = extension.gemm(
             cast(weight, out_dtype),
             cast(x, out_dtype),
             layout="TN",
@@ -169,7 +170,7 @@ def forward(
         w = quantize(weight, cfg, "weight", True, save_weight, state, gemm=gemm)
     # cuBLAS has no FP8 GEMM with an FP32 bias: TE casts the bias to BF16 then.
     bias_dtype = torch.bfloat16 if out_dtype == torch.float32 else out_dtype
-    out, _ = core.gemm(
+    out, _ = extension.gemm(
         w,
         x,
         layout="TN",
@@ -254,7 +255,7 @@ def backward(
         wgrad_bias = cast(bias, out_dtype)  # with grad=True only a flag: dbias comes back
     dgrad = wgrad = None
     if needs_dgrad:
-        dgrad, _ = core.gemm(
+        dgrad, _ = extension.gemm(
             w,
             grad,
             layout="NN",
@@ -265,7 +266,7 @@ def backward(
         )
     if needs_wgrad:
         into_main_grad = main_grad is not None
-        result, gemm_dbias = core.gemm(
+        result, gemm_dbias = extension.gemm(
             x,
             grad,
             layout="NT",
@@ -317,7 +318,7 @@ def update_backward_state(cfg: QuantConfig, bwd_scale, bwd_history) -> None:
     own backward (see docs/architecture.md for when the two differ)."""
     if bwd_history is None:
         return
-    update_amax_and_scale(
+    amax_and_scale_update(
         [bwd_history],
         [bwd_scale],
         cfg.amax_algo,

@@ -36,7 +36,8 @@ from .te_dtypes import te_fp8_dtype
 DELAYED_SLOT = {"input": 0, "weight": 1, "grad": 0}
 
 
-def make_quantizer(
+@functools.lru_cache(maxsize=4096)
+def quantizer(
     cfg: QuantConfig,
     role: str,
     *,
@@ -44,10 +45,12 @@ def make_quantizer(
     columnwise: bool,
     weight_shape: tuple[int, ...] | None = None,
 ):
-    """The quantizer te.Linear uses for `role`, configured as eager TE configures it. Ops take
-    it from core.quantizer, which builds it once per configuration.
+    """The quantizer te.Linear uses for `role`, configured as eager TE configures it; built
+    once per (config, role, usages, weight shape): quantizers depend only on the recipe config,
+    so ops must not rebuild them every step. Callers must not change the returned object except
+    through `extension.with_state`.
 
-    DelayedScaling quantizers are built without state: `core.with_state` points them at a
+    DelayedScaling quantizers are built without state: `extension.with_state` points them at a
     module's scale and amax before each use (the kernel reads the scale and max-accumulates
     the amax in place). The weight role needs the weight's shape (TE decides scale swizzling
     from it)."""
@@ -56,7 +59,7 @@ def make_quantizer(
         from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
         q = Float8Quantizer(
-            None,  # scale and amax: per module, set by core.with_state
+            None,  # scale and amax: per module, set by extension.with_state
             None,
             te_fp8_dtype(cfg.dtypes[i]),
             rowwise=rowwise,

@@ -4,10 +4,8 @@ Python per call as TE's C++ kernels allow.
 - `gemm` calls `transformer_engine_torch.generic_gemm` directly with TE's cached cuBLAS
   workspace: the arguments TE's `general_gemm` wrapper would pass for a plain (no userbuffers,
   no debug, no custom-recipe) GEMM, without its per-call dispatch.
-- `quantizer` returns a TE quantizer built once per (config, role, usages, weight shape):
-  quantizers depend only on the recipe config, so ops must not rebuild them every step.
-  DelayedScaling quantizers read per-module scale/amax tensors: the cached object holds them
-  only for the duration of a call (`with_state`), two attribute writes on entry and exit.
+- `with_state`: DelayedScaling quantizers (cached per config, fp8_operands.quantizer) read a
+  module's scale/amax tensors only for the duration of a call: two attribute writes.
 - `quantize` calls `transformer_engine_torch.quantize` directly (TE's `Quantizer.__call__`
   adds an autograd.Function hop that internal quantizers do not need).
 
@@ -20,8 +18,6 @@ import contextlib
 import functools
 
 import torch
-
-from ..recipes import QuantConfig
 
 _LAYOUTS = {"TN": (True, False), "NN": (False, False), "NT": (False, True)}
 
@@ -106,30 +102,6 @@ def quantize_into(tensor: torch.Tensor, quantizer, out, noop: torch.Tensor | Non
     """Quantize into an existing TE storage (FP8 weight caches); skipped on the GPU when `noop`
     holds 1 (TE's skip_fp8_weight_update flag)."""
     tex().quantize(tensor, quantizer, out, noop)
-
-
-def quantizer(
-    cfg: QuantConfig,
-    role: str,
-    *,
-    rowwise: bool,
-    columnwise: bool,
-    weight_shape: tuple[int, ...] | None = None,
-):
-    """The TE quantizer te.Linear uses for `role` (see fp8_operands.make_quantizer), cached.
-
-    The weight role needs the weight's shape (TE decides scale swizzling from it). Callers must
-    not change the returned object except through `with_state`."""
-    return _cached_quantizer(cfg, role, rowwise, columnwise, weight_shape)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_quantizer(cfg, role, rowwise, columnwise, weight_shape):
-    from .fp8_operands import make_quantizer
-
-    return make_quantizer(
-        cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=weight_shape
-    )
 
 
 @contextlib.contextmanager
