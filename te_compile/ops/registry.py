@@ -48,6 +48,8 @@ class Op:
 
     def args(self, args: tuple, kwargs: dict | None = None) -> SimpleNamespace:
         """The call's arguments by name."""
+        if not kwargs and len(args) == len(self.params):  # autograd's inputs: all, in order
+            return SimpleNamespace(**dict(zip(self.params, args, strict=True)))
         bound = self.signature.bind(*args, **(kwargs or {}))
         bound.apply_defaults()
         return SimpleNamespace(**bound.arguments)
