@@ -57,8 +57,10 @@ def fresh_amax_state(fwd_state: list[torch.Tensor]) -> list[torch.Tensor] | None
     return [fwd_state[0], torch.zeros_like(fwd_state[0])]
 
 
-def is_quantized(t) -> bool:
-    """A TE storage (internal quantizers return bare storages, not torch.Tensors)."""
+def is_te_storage(t) -> bool:
+    """A bare TE storage (what internal quantizers return), not a torch.Tensor: an operand
+    already quantized. (modules/gemm_common.is_quantized asks a different question: is a
+    user-visible tensor a QuantizedTensor.)"""
     return not isinstance(t, torch.Tensor)
 
 
@@ -162,7 +164,7 @@ def forward(
         )
         return out, []
     # Column-wise halves are produced only when backward will read them, as in eager TE.
-    if not is_quantized(x):
+    if not is_te_storage(x):
         x = quantize(x, cfg, "input", True, save_input, state, gemm=gemm)
     if weight_cache:
         w = weight_cache_storage(weight_cache, cfg, out_dtype)
@@ -243,7 +245,7 @@ def backward(
     overrides te.Linear's rule for quantizing grad_output's column-wise half (only with a
     bias or wgrad); LayerNormLinear always asks for both halves."""
     if cfg.fp8:
-        if not is_quantized(grad):
+        if not is_te_storage(grad):
             grad, dbias = quantize_grad_output(
                 grad, cfg, has_bias, needs_wgrad, state, gemm=gemm, columnwise=grad_columnwise
             )
