@@ -23,6 +23,7 @@ from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
 from ..spec import NormSpec
 from . import gemm_common
+from .linear import make_forward
 
 NAME = "te.LayerNormLinear"
 
@@ -91,17 +92,13 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     return (out, ln_out) if self.return_layernorm_output else out
 
 
-def make_forward(original):
-    def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
-        if not torch.compiler.is_compiling():
-            return original(self, inp, is_first_microbatch, fp8_output, fp8_grad)
-        return compiled_forward(self, inp, is_first_microbatch, fp8_output, fp8_grad)
-
-    forward.__doc__ = original.__doc__
-    return forward
-
-
 def swaps() -> list[Swap]:
     from transformer_engine.pytorch.module.layernorm_linear import LayerNormLinear
 
-    return [Swap(LayerNormLinear, "forward", make_forward(vars(LayerNormLinear)["forward"]))]
+    return [
+        Swap(
+            LayerNormLinear,
+            "forward",
+            make_forward(vars(LayerNormLinear)["forward"], compiled_forward),
+        )
+    ]

@@ -74,11 +74,14 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     return out
 
 
-def make_forward(original):
+def make_forward(original, compiled=compiled_forward):
+    """TE's `original` forward, `compiled` in its place under torch.compile (te.Linear's and
+    LayerNormLinear's: the same arguments)."""
+
     def forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
         if not torch.compiler.is_compiling():
             return original(self, inp, is_first_microbatch, fp8_output, fp8_grad)
-        return compiled_forward(self, inp, is_first_microbatch, fp8_output, fp8_grad)
+        return compiled(self, inp, is_first_microbatch, fp8_output, fp8_grad)
 
     forward.__doc__ = original.__doc__
     return forward

@@ -102,16 +102,33 @@ def _stats_shape(q: torch.Tensor, qkv_layout: str) -> tuple[int, ...]:
 # ---- forward -------------------------------------------------------------------------------------
 
 
-def _call_te(kernel, *args, **kwargs):
-    """`kernel` (TE's fused_attn_fwd/bwd) called with TE's own graph-capture flag, True exactly
-    while a CUDA graph is being captured, as eager TE passes it inside its CUDA graphs. With it
-    TE refuses configurations that cuDNN runs wrong inside a graph (TE 2.20: cuDNN <= 9.15,
-    training, sbhd/bshd, max_seqlen_kv not a multiple of 128, no padding mask: wrong gradients
-    or an illegal memory access, seen on an H100 under mode="reduce-overhead"); that refusal is
-    re-raised with the ways out."""
+def _call_te(kernel, cfg: FusedAttnSpec, *args, **kwargs):
+    """`kernel` (TE's fused_attn_fwd/bwd) called with the options both kernels take alike from
+    `cfg`, and with TE's own graph-capture flag, True exactly while a CUDA graph is being
+    captured, as eager TE passes it inside its CUDA graphs. With it TE refuses configurations
+    that cuDNN runs wrong inside a graph (TE 2.20: cuDNN <= 9.15, training, sbhd/bshd,
+    max_seqlen_kv not a multiple of 128, no padding mask: wrong gradients or an illegal memory
+    access, seen on an H100 under mode="reduce-overhead"); that refusal is re-raised with the
+    ways out."""
     cuda_graph = torch.cuda.is_current_stream_capturing()
     try:
-        return kernel(*args, cuda_graph=cuda_graph, **kwargs)
+        return kernel(
+            *args,
+            cuda_graph=cuda_graph,
+            s_quantizer=None,
+            attn_scale=cfg.attn_scale,
+            dropout=cfg.dropout,
+            fast_zero_fill=cfg.fast_zero_fill,
+            qkv_layout=cfg.qkv_layout,
+            o_format=layout_format(cfg.qkv_layout),
+            qkv_scale_inv_format=None,
+            attn_bias_type="no_bias",
+            attn_mask_type=cfg.attn_mask_type,
+            softmax_type="vanilla",
+            window_size=cfg.window_size,
+            bottom_right_diagonal=cfg.bottom_right_diagonal,
+            **kwargs,
+        )
     except RuntimeError as e:
         if cuda_graph and "CUDA graph" in str(e):
             raise UnsupportedUnderCompileError(
@@ -140,14 +157,12 @@ def fused_attn_fwd(
     cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, cfg.qkv_layout)
-    o_format = layout_format(cfg.qkv_layout)
+    sizes = (max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv)  # both kernels, in a row
     out, aux = _call_te(
         fa.fused_attn_fwd,
+        cfg,
         cfg.is_training,
-        max_seqlen_q,
-        max_seqlen_kv,
-        cu_seqlens_q,
-        cu_seqlens_kv,
+        *sizes,
         q,
         k,
         v,
@@ -158,19 +173,7 @@ def fused_attn_fwd(
         cu_seqlens_kv_padded=cu_seqlens_kv_padded,
         page_table_k=None,
         page_table_v=None,
-        s_quantizer=None,
         o_quantizer=None,
-        attn_scale=cfg.attn_scale,
-        dropout=cfg.dropout,
-        fast_zero_fill=cfg.fast_zero_fill,
-        qkv_layout=cfg.qkv_layout,
-        o_format=o_format,
-        qkv_scale_inv_format=None,
-        attn_bias_type="no_bias",
-        attn_mask_type=cfg.attn_mask_type,
-        softmax_type="vanilla",
-        window_size=cfg.window_size,
-        bottom_right_diagonal=cfg.bottom_right_diagonal,
         rng_gen=None,  # the default CUDA generator, as eager TE
         softmax_offset=None,
         return_max_logit=False,
@@ -211,13 +214,11 @@ def fused_attn_bwd(
     cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, cfg.qkv_layout)
-    o_format = layout_format(cfg.qkv_layout)
+    sizes = (max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv)  # both kernels, in a row
     dq, dk, dv, *_ = _call_te(
         fa.fused_attn_bwd,
-        max_seqlen_q,
-        max_seqlen_kv,
-        cu_seqlens_q,
-        cu_seqlens_kv,
+        cfg,
+        *sizes,
         q,
         k,
         v,
@@ -228,23 +229,11 @@ def fused_attn_bwd(
         fa.FusedAttnBackend.cast(cfg.backend),
         cu_seqlens_q_padded=cu_seqlens_q_padded,
         cu_seqlens_kv_padded=cu_seqlens_kv_padded,
-        s_quantizer=None,
         dp_quantizer=None,
         dqkv_quantizer=None,
-        attn_scale=cfg.attn_scale,
-        dropout=cfg.dropout,
-        fast_zero_fill=cfg.fast_zero_fill,
-        qkv_layout=cfg.qkv_layout,
-        o_format=o_format,
-        do_format=o_format,
+        do_format=layout_format(cfg.qkv_layout),
         dqkv_layout=cfg.qkv_layout,
-        qkv_scale_inv_format=None,
         do_scale_inv_format=None,
-        attn_bias_type="no_bias",
-        attn_mask_type=cfg.attn_mask_type,
-        softmax_type="vanilla",
-        window_size=cfg.window_size,
-        bottom_right_diagonal=cfg.bottom_right_diagonal,
         deterministic=cfg.deterministic,
     )
     return _join_grads(dq, dk, dv, cfg.qkv_layout)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import gemm_layer
+from ..kernels import gemm_layer, single_gemm
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from ..recipes import QuantConfig
@@ -63,23 +63,15 @@ def layernorm_linear_fwd(
         columnwise=save_input,
         return_hp=return_ln_out,
     )
-    out, saved = gemm_layer.forward(
-        x,
-        weight,
-        bias,
-        cfg,
-        state=state,
-        weight_cache=weight_cache,
-        save_input=save_input,
-        save_weight=save_weight,
-        out_dtype=inp.dtype,
-        x_shape=inp.shape,
-        device_index=inp.device.index,
-    )
     if mu is None:
         mu = rsigma.new_empty([0])
     kept = [ln_out] if _has_ln_out(cfg, save_input, return_ln_out) else []
-    return [out, mu, rsigma, *kept, *saved, *([state[1]] if state else [])]
+    return single_gemm.single_forward(
+        *(x, weight, bias, cfg, state, weight_cache, save_input, save_weight),
+        out_dtype=inp.dtype,
+        like=inp,
+        head=[mu, rsigma, *kept],
+    )
 
 
 @layernorm_linear_fwd.fake
@@ -87,19 +79,9 @@ def _(a):
     cfg = QuantConfig.from_key(a.config)
     inp = a.inp
     mu, rsigma = stats_shapes(NormSpec.from_key(a.norm), inp.shape[0])
-    out = inp.new_empty([inp.shape[0], a.weight.shape[0]])
     stats = [inp.new_empty(mu, dtype=torch.float32), inp.new_empty(rsigma, dtype=torch.float32)]
     kept = [torch.empty_like(inp)] if _has_ln_out(cfg, a.save_input, a.return_ln_out) else []
-    saved = gemm_layer.fake_saved_parts(
-        inp.shape,
-        a.weight.shape,
-        cfg,
-        save_input=a.save_input,
-        save_weight=a.save_weight,
-        weight_cache=a.weight_cache,
-        like=inp,
-    )
-    return [out, *stats, *kept, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
+    return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept)
 
 
 @op(mutates=("bwd_scale", "bwd_history", "main_grad"))
@@ -239,16 +221,11 @@ def _backward(ctx, grads):
         needs_wgrad=needs_wgrad,
         accumulate=a.accumulate,
     )
-    cfg = QuantConfig.from_key(a.config)
     return {
         "inp": dx if needs[0] else None,
         "ln_weight": dgamma if needs[1] else None,
         "ln_bias": dbeta if needs[2] and has_beta(NormSpec.from_key(a.norm)) else None,
-        # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
-        "weight": wgrad if needs_wgrad and a.main_grad is None else None,
-        "bias": dbias
-        if needs_dbias and gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad)
-        else None,
+        **single_gemm.weight_grads(a, ctx.has_bias, needs_wgrad, needs_dbias, wgrad, dbias),
     }
 
 

@@ -236,23 +236,36 @@ def layernorm_mlp_bwd(
     def hp(name):  # a high-precision saved operand (no FP8)
         return s[name][0] if not cfg.fp8 and s[name] else None
 
-    fc2_dgrad, fc2_wgrad, fc2_dbias = gemm_layer.backward(
+    def gemm_backward(grad, gemm, weight, bias, main_grad, needs_dgrad, needs_wgrad, **kw):
+        name = ("fc1", "fc2")[gemm]
+        return gemm_layer.backward(
+            grad,
+            cfg,
+            x=hp(f"{name}_input"),
+            weight=weight,
+            bias=bias,
+            input_parts=s[f"{name}_input"],
+            weight_parts=s[f"{name}_weight"],
+            state=state,
+            main_grad=main_grad,
+            out_dtype=out_dtype,
+            has_bias=bias is not None,
+            needs_dgrad=needs_dgrad,
+            needs_wgrad=needs_wgrad,
+            accumulate=accumulate,
+            device_index=dev,
+            gemm=gemm,
+            **kw,
+        )
+
+    fc2_dgrad, fc2_wgrad, fc2_dbias = gemm_backward(
         g,
-        cfg,
-        x=hp("fc2_input"),
-        weight=fc2_weight,
-        bias=fc2_bias,
-        input_parts=s["fc2_input"],
-        weight_parts=s["fc2_weight"],
-        state=state,
-        main_grad=fc2_main_grad,
-        out_dtype=out_dtype,
-        has_bias=fc2_bias is not None,
+        FC2,
+        fc2_weight,
+        fc2_bias,
+        fc2_main_grad,
         needs_dgrad=needs_act,
         needs_wgrad=needs_fc2_wgrad,
-        accumulate=accumulate,
-        device_index=dev,
-        gemm=FC2,
         grad_columnwise=True,  # TE's LayerNormMLP asks for both halves of FC2's grad_output
     )
     dx = dgamma = dbeta = fc1_wgrad = fc1_dbias = None
@@ -268,23 +281,14 @@ def layernorm_mlp_bwd(
                 fc2_dgrad, fc1_out, cfg, m.activation, m.params, state=state
             )
             fc1_gemm_bias = fc1_bias
-        fc1_dgrad, fc1_wgrad, gemm_dbias = gemm_layer.backward(
+        fc1_dgrad, fc1_wgrad, gemm_dbias = gemm_backward(
             dact,
-            cfg,
-            x=hp("fc1_input"),
-            weight=fc1_weight,
-            bias=fc1_gemm_bias,
-            input_parts=s["fc1_input"],
-            weight_parts=s["fc1_weight"],
-            state=state,
-            main_grad=fc1_main_grad,
-            out_dtype=out_dtype,
-            has_bias=fc1_gemm_bias is not None,
+            FC1,
+            fc1_weight,
+            fc1_gemm_bias,
+            fc1_main_grad,
             needs_dgrad=needs_norm_grads,
             needs_wgrad=needs_fc1_wgrad,
-            accumulate=accumulate,
-            device_index=dev,
-            gemm=FC1,
             dbias=fc1_dbias,
         )
         if fc1_dbias is None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import gemm_layer
+from ..kernels import gemm_layer, single_gemm
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 from ..recipes import QuantConfig
 from .registry import op
@@ -54,36 +54,17 @@ def linear_fwd(
     backward op."""
     cfg = QuantConfig.from_key(config)
     state = gemm_layer.fresh_amax_state(fwd_state)
-    out, saved = gemm_layer.forward(
-        inp,
-        weight,
-        bias,
-        cfg,
-        state=state,
-        weight_cache=weight_cache,
-        save_input=save_input,
-        save_weight=save_weight,
+    return single_gemm.single_forward(
+        *(inp, weight, bias, cfg, state, weight_cache, save_input, save_weight),
         out_dtype=out_dtype,
-        x_shape=inp.shape,
-        device_index=inp.device.index,
+        like=inp,
     )
-    return [out, *saved, *([state[1]] if state else [])]
 
 
 @linear_fwd.fake
 def _(a):
     cfg = QuantConfig.from_key(a.config)
-    out = a.inp.new_empty([*a.inp.shape[:-1], a.weight.shape[0]], dtype=a.out_dtype)
-    saved = gemm_layer.fake_saved_parts(
-        a.inp.shape,
-        a.weight.shape,
-        cfg,
-        save_input=a.save_input,
-        save_weight=a.save_weight,
-        weight_cache=a.weight_cache,
-        like=a.inp,
-    )
-    return [out, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]  # the amaxes
+    return single_gemm.fake_single_forward(a, cfg, a.out_dtype)
 
 
 @op(mutates=("cache", "valid", "fwd_amax"))
@@ -222,14 +203,9 @@ def _backward(ctx, grads):
         needs_wgrad,
         a.accumulate,
     )
-    cfg = QuantConfig.from_key(a.config)
     return {
         "inp": dgrad if needs_dgrad else None,
-        # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
-        "weight": wgrad if needs_wgrad and a.main_grad is None else None,
-        "bias": dbias
-        if needs_dbias and gemm_layer.returns_dbias(cfg, ctx.has_bias, needs_wgrad)
-        else None,
+        **single_gemm.weight_grads(a, ctx.has_bias, needs_wgrad, needs_dbias, wgrad, dbias),
     }
 
 

@@ -87,4 +87,3 @@ def op(*, mutates: tuple[str, ...] = (), tags: tuple = ()) -> Callable[[Callable
     """Declare `te_compile::<function name>` from the decorated, fully annotated function
     (`tags`: torch.Tag values of its schema, e.g. nondeterministic_seeded)."""
     return lambda impl: Op(impl, mutates, tags)
-

@@ -11,10 +11,12 @@ contiguous tensor of the input's shape (TE's C++ allocates `at::empty(input.size
 
 from __future__ import annotations
 
+import inspect
+
 from torch import Tensor
 
 from ..kernels import extension
-from .registry import op
+from .registry import Op, op
 
 FORMATS = ("sbhd", "bshd", "thd")
 
@@ -25,51 +27,40 @@ def _qkv_format(tensor_format: str):
     return QKVFormat[tensor_format]
 
 
-@op()
-def fused_rope_fwd(
-    t: Tensor,
-    freqs: Tensor,
-    start_positions: Tensor | None,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
-    return extension.tex().fused_rope_forward(
-        t,
-        freqs,
-        start_positions,
-        _qkv_format(tensor_format),
-        interleaved,
-        cu_seqlens,
-        cp_size,
-        cp_rank,
-    )
+def _rope_op(name: str, kernel: str, first: str) -> Op:
+    """The op `name` running tex.<kernel>: forward and backward take the same options, after
+    the tensor named `first` (the input, or the output's gradient)."""
+
+    def impl(
+        t: Tensor,
+        freqs: Tensor,
+        start_positions: Tensor | None,
+        cu_seqlens: Tensor | None,
+        tensor_format: str,
+        interleaved: bool,
+        cp_size: int,
+        cp_rank: int,
+    ) -> Tensor:
+        return getattr(extension.tex(), kernel)(
+            t,
+            freqs,
+            start_positions,
+            _qkv_format(tensor_format),
+            interleaved,
+            cu_seqlens,
+            cp_size,
+            cp_rank,
+        )
+
+    signature = inspect.signature(impl)
+    t, *options = signature.parameters.values()
+    impl.__signature__ = signature.replace(parameters=[t.replace(name=first), *options])
+    impl.__name__ = name
+    return op()(impl)
 
 
-@op()
-def fused_rope_bwd(
-    grad: Tensor,
-    freqs: Tensor,
-    start_positions: Tensor | None,
-    cu_seqlens: Tensor | None,
-    tensor_format: str,
-    interleaved: bool,
-    cp_size: int,
-    cp_rank: int,
-) -> Tensor:
-    return extension.tex().fused_rope_backward(
-        grad,
-        freqs,
-        start_positions,
-        _qkv_format(tensor_format),
-        interleaved,
-        cu_seqlens,
-        cp_size,
-        cp_rank,
-    )
-
+fused_rope_fwd = _rope_op("fused_rope_fwd", "fused_rope_forward", first="t")
+fused_rope_bwd = _rope_op("fused_rope_bwd", "fused_rope_backward", first="grad")
 
 fused_rope_fwd.fake(lambda a: a.t.new_empty(a.t.shape))
 fused_rope_bwd.fake(lambda a: a.grad.new_empty(a.grad.shape))

@@ -1,0 +1,67 @@
+"""What the ops of the one-GEMM modules (te.Linear, LayerNormLinear) share around the GEMM
+layer (gemm_layer.py): the forward op's outputs and their fake twin, the weight gradients."""
+
+from __future__ import annotations
+
+import torch
+
+from ..recipes import QuantConfig
+from .gemm_layer import fake_saved_parts, forward, returns_dbias
+
+
+def single_forward(
+    x,
+    weight,
+    bias,
+    cfg: QuantConfig,
+    state,
+    weight_cache,
+    save_input,
+    save_weight,
+    *,
+    out_dtype,
+    like,
+    head=(),
+) -> list[torch.Tensor]:
+    """The forward op's outputs [out, *head, *saved parts, (amaxes)] around `forward`; `like`
+    is the op's input (x's shape and device)."""
+    out, saved = forward(
+        x,
+        weight,
+        bias,
+        cfg,
+        state=state,
+        weight_cache=weight_cache,
+        save_input=save_input,
+        save_weight=save_weight,
+        out_dtype=out_dtype,
+        x_shape=like.shape,
+        device_index=like.device.index,
+    )
+    return [out, *head, *saved, *([state[1]] if state else [])]
+
+
+def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head) -> list[torch.Tensor]:
+    """`single_forward`'s fake twin from the op's arguments `a` (inp, weight, weight_cache,
+    save_input, save_weight, fwd_state)."""
+    out = a.inp.new_empty([*a.inp.shape[:-1], a.weight.shape[0]], dtype=out_dtype)
+    saved = fake_saved_parts(
+        a.inp.shape,
+        a.weight.shape,
+        cfg,
+        save_input=a.save_input,
+        save_weight=a.save_weight,
+        weight_cache=a.weight_cache,
+        like=a.inp,
+    )
+    return [out, *head, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
+
+
+def weight_grads(a, has_bias, needs_wgrad, needs_dbias, wgrad, dbias) -> dict:
+    """Autograd's gradients of a one-GEMM op's `weight` and `bias` (`a`: what rode along)."""
+    cfg = QuantConfig.from_key(a.config)
+    return {
+        # fuse_wgrad_accumulation: the gradient went into main_grad; the weight gets none.
+        "weight": wgrad if needs_wgrad and a.main_grad is None else None,
+        "bias": dbias if needs_dbias and returns_dbias(cfg, has_bias, needs_wgrad) else None,
+    }
