@@ -13,8 +13,7 @@ import pytest
 import torch
 from transformer_engine.common import recipe as R
 
-from te_compile.kernels import activation, gemm_layer
-from te_compile.kernels import extension
+from te_compile.kernels import activation, extension, gemm_layer
 from te_compile.recipes import for_linear
 
 RECIPES = {
