@@ -16,6 +16,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .modules.checkpointing import checkpoint, checkpoint_policy, gemm_forward_ops
+from .options import configure
 from .patching import Patcher
 from .prepare import prepare
 from .tools.check import check  # noqa: F401  (also binds te_compile.check to the function)
@@ -63,6 +64,7 @@ __all__ = [
     "prepare",
     "simulate_gpu",
     "check",
+    "configure",
     "configure_tf32",
     "capture",
     "checkpoint",

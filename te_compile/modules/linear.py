@@ -21,7 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the te_compile ops)
+from .. import (
+    ops,  # noqa: F401  (registers the te_compile ops)
+    options,
+)
+from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from . import fp8_params, gemm_common
 
@@ -54,6 +58,11 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     save_input = grad and g.weight.requires_grad
     save_weight = grad and inp.requires_grad
     s = gemm_common.gemm_state(self, g, is_first_microbatch)
+    if _graph_fp8_applies(g, s, inp):
+        call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
+        bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
+        out = graph_linear.linear(inp, g.weight, bias, call)
+        return _returned(self, g, gemm_common.end_forward(self, g, s, out, None))
     outputs = torch.ops.te_compile.linear_fwd(
         inp,
         s.op_weight,
@@ -68,10 +77,23 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         save_weight,
         s.accumulate,
     )
-    out = gemm_common.end_forward(self, g, s, outputs[0], outputs[-1])
-    if self.return_bias:
+    return _returned(self, g, gemm_common.end_forward(self, g, s, outputs[0], outputs[-1]))
+
+
+def _returned(m, g, out):
+    if m.return_bias:
         return out, (g.bias.to(g.act_dtype) if g.bias is not None else None)
     return out
+
+
+def _graph_fp8_applies(g, s, inp) -> bool:
+    """te_compile.configure(graph_fp8=True) and a call the graph path computes: no FP8 weight
+    cache, FP8 parameter or main_grad, and a recipe and shapes graph_fp8.linear takes."""
+    if not options.current().graph_fp8 or s.weight_cache or s.main_grad is not None:
+        return False
+    if s.op_weight is not g.weight:  # an FP8 parameter's gradient carrier
+        return False
+    return not graph_linear.applies(g.cfg, inp, g.weight, g.act_dtype)
 
 
 def make_forward(original, compiled=compiled_forward):

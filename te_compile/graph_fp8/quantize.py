@@ -1,0 +1,72 @@
+"""TE's per-tensor FP8 quantization in aten ops, operation for operation (TE 2.20.2's
+`transformer_engine/common`: the amax kernel, `compute_scale_from_amax` of
+recipe/recipe_common.cuh, the saturating cast of its pointwise kernels). Inductor turns these
+into Triton kernels and fuses them with whatever produces or reads the tensor.
+
+Where the arithmetic needs care:
+- amax: TE reduces with `fmaxf(amax, fabsf(x))` from 0, which skips NaNs; `torch.amax`
+  propagates them, so NaNs are zeroed first.
+- scale = `__fdiv_rn(fp8_max, amax)` and scale_inv = `__frcp_rn(scale)`: IEEE division in
+  float32. Triton's float32 division is not guaranteed correctly rounded, so both are
+  computed in float64 and rounded once to float32; a float64 quotient of float32 operands
+  rounds to the correctly rounded float32 quotient (53 >= 2 * 24 + 2: double rounding is
+  innocuous for division).
+- the cast: float32 `x * scale`, then TE's `__NV_SATFINITE` conversion (beyond +-fp8_max,
+  infinities included, to +-fp8_max; NaN stays NaN; round to nearest even). PyTorch's cast
+  maps out-of-range values to NaN, so they are clamped first (clamp keeps NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
+TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+_FLT_MAX = torch.finfo(torch.float32).max
+_EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a float32
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as float32 [1], NaNs skipped (TE's amax kernel); 0 when every element is NaN."""
+    magnitude = x.abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    return magnitude.amax().float().reshape(1)
+
+
+def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
+    """TE's compute_scale_from_amax (current scaling: value_for_inf = FLT_MAX)."""
+    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
+    scale = (FP8_MAX[fp8] / amax.double()).float()
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
+    one = torch.ones_like(scale)
+    scale = torch.where(torch.isinf(amax) | (amax == 0), one, scale)
+    if pow2:  # keep sign and exponent: the largest power of two not above the scale
+        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
+    return scale
+
+
+def reciprocal(scale: torch.Tensor) -> torch.Tensor:
+    """TE's scale_inv, `__frcp_rn(scale)`, by way of float64 (see the module docstring)."""
+    return (1.0 / scale.double()).float()
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
+    """FP8 data of `x * scale` with TE's saturating, round-to-nearest-even conversion."""
+    limit = FP8_MAX[fp8]
+    return (x.float() * scale).clamp(-limit, limit).to(TORCH_DTYPE[fp8])
+
+
+def quantize_current(
+    x: torch.Tensor, fp8: str, epsilon: float, pow2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float8CurrentScaling: (FP8 data, scale_inv [1]) of x with a scale from x's own amax."""
+    scale = scale_from_amax(amax(x), fp8, epsilon, pow2)
+    return cast(x, scale, fp8), reciprocal(scale)
+
+
+def quantize_delayed(
+    x: torch.Tensor, scale: torch.Tensor, fp8: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DelayedScaling: (FP8 data, scale_inv [1], amax [1]) of x with a given scale [1]; the
+    amax is x's, recorded for the history as TE's cast kernel records it."""
+    return cast(x, scale, fp8), reciprocal(scale), amax(x)

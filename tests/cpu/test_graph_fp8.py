@@ -1,0 +1,164 @@
+"""graph_fp8 on CPU: the quantization arithmetic against a NumPy statement of TE's formulas,
+and te.Linear's joint graph on the graph path (three F.scaled_mm, no te_compile op) with a
+pretend Hopper GPU. Bit-for-bit agreement with TE's kernels is tests/gpu/test_graph_fp8_gpu.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+
+import te_compile
+import te_compile.modules.linear as module_linear
+from te_compile.graph_fp8 import quantize
+from te_compile_testing import JointRecorder
+
+FLT_MAX = np.finfo(np.float32).max
+
+
+def te_scale(amax: float, fp8_max: float, eps: float, pow2: bool) -> np.float32:
+    """recipe_common.cuh's compute_scale_from_amax, in NumPy float32 (IEEE division)."""
+    amax = np.float32(amax)
+    if amax < eps:
+        amax = np.float32(eps)
+    if np.isinf(amax) or amax == 0:
+        return np.float32(1.0)
+    with np.errstate(over="ignore", divide="ignore"):
+        scale = np.float32(fp8_max) / amax
+    if np.isinf(scale):
+        scale = FLT_MAX
+    if pow2:
+        scale = (np.array(scale).view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)[()]
+    return np.float32(scale)
+
+
+AMAXES = [
+    0.0,
+    1e-45,
+    1e-40,
+    1e-38,
+    3e-37,
+    1e-3,
+    0.1,
+    1.0,
+    3.0,
+    7.0,
+    447.0,
+    448.0,
+    449.0,
+    57344.0,
+    1e30,
+    3.4e38,
+    float("inf"),
+]
+
+
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("eps,pow2", [(0.0, False), (1e-3, False), (0.0, True), (1e-3, True)])
+def test_scale_and_reciprocal_are_tes(fp8, eps, pow2):
+    got = quantize.scale_from_amax(torch.tensor(AMAXES), fp8, eps, pow2)
+    want = np.array([te_scale(a, quantize.FP8_MAX[fp8], eps, pow2) for a in AMAXES])
+    assert np.array_equal(got.numpy().view(np.uint32), want.view(np.uint32))
+    with np.errstate(divide="ignore"):
+        want_inv = np.float32(1.0) / want
+    assert np.array_equal(
+        quantize.reciprocal(got).numpy().view(np.uint32), want_inv.view(np.uint32)
+    )
+
+
+def test_scale_division_is_correctly_rounded():
+    """Random amaxes: the float64 route gives float32 IEEE quotients (double rounding is
+    innocuous for division)."""
+    rng = np.random.default_rng(0)
+    amaxes = (rng.random(20000) * 2.0 ** rng.integers(-126, 127, 20000)).astype(np.float32)
+    got = quantize.scale_from_amax(torch.from_numpy(amaxes), "e4m3", 0.0, False).numpy()
+    with np.errstate(over="ignore"):
+        want = np.float32(448.0) / amaxes
+    want = np.where(np.isinf(want), FLT_MAX, want).astype(np.float32)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_amax_skips_nan_and_cast_saturates():
+    x = torch.tensor([1.0, float("nan"), -3.0, float("inf"), -float("inf"), 500.0, -0.0])
+    assert quantize.amax(x).item() == float("inf")
+    assert quantize.amax(torch.tensor([float("nan")])).item() == 0.0
+    data = quantize.cast(x, torch.tensor([1.0]), "e4m3").float()
+    assert data[[0, 2, 3, 4, 5]].tolist() == [1.0, -3.0, 448.0, -448.0, 448.0]
+    assert torch.isnan(data[1]) and str(data[6].item()) == "-0.0"
+
+
+# ---- te.Linear on the graph path, joint graph on meta with a pretend Hopper --------------------
+
+
+@contextlib.contextmanager
+def graph_fp8():
+    te_compile.configure(graph_fp8=True)
+    try:
+        yield
+    finally:
+        te_compile.configure(graph_fp8=False)
+
+
+def _linear(monkeypatch, bias: bool, in_f=64, out_f=32):
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        linear = te.Linear(in_f, out_f, bias=bias, params_dtype=torch.bfloat16, device="meta")
+    linear.weight = torch.nn.Parameter(
+        torch.empty(out_f, in_f, device="meta", dtype=torch.bfloat16)
+    )
+    if bias:
+        linear.bias = torch.nn.Parameter(torch.empty(out_f, device="meta", dtype=torch.bfloat16))
+    return linear
+
+
+def _compile_step(linear, recipe, x):
+    rec = JointRecorder()
+
+    def fn(x):
+        with te.autocast(recipe=recipe):
+            return linear(x)
+
+    torch.compile(fn, backend=rec.backend, fullgraph=True)(x).sum().backward()
+    return rec
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear_graph_path_joint_graph(bias, patched, fake_gpu, graph_breaks, monkeypatch):
+    fake_gpu("hopper")
+    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
+    linear = _linear(monkeypatch, bias)
+    x = torch.empty(4, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with graph_fp8():
+        rec = _compile_step(linear, R.Float8CurrentScaling(), x)
+    assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
+    fw, bw = rec.targets(rec.fw), rec.targets(rec.bw)
+    assert not any("te_compile" in t for t in fw + bw)
+    assert sum("_scaled_mm" in t for t in fw) == 1 and sum("_scaled_mm" in t for t in bw) == 2
+    assert x.grad.shape == x.shape and linear.weight.grad.shape == (32, 64)
+    assert (linear.bias.grad is not None) == bias
+
+
+def test_graph_path_leaves_other_recipes_to_te_ops(patched, fake_gpu, monkeypatch):
+    """Recipes the graph path does not implement run on TE's kernels, as without the option."""
+    fake_gpu("hopper")
+    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
+    linear = _linear(monkeypatch, bias=True)
+    x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with graph_fp8():
+        rec = _compile_step(linear, R.Float8BlockScaling(), x)
+    assert rec.targets(rec.fw).count("te_compile.linear_fwd.default") == 1
+
+
+def test_unaligned_shapes_stay_on_te_ops(patched, fake_gpu, monkeypatch):
+    fake_gpu("hopper")
+    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
+    linear = _linear(monkeypatch, bias=False, out_f=40)  # 40: not a multiple of 16
+    x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with graph_fp8():
+        rec = _compile_step(linear, R.Float8CurrentScaling(), x)
+    assert rec.targets(rec.fw).count("te_compile.linear_fwd.default") == 1

@@ -1,0 +1,241 @@
+"""GPU tests of graph_fp8 (te_compile.configure(graph_fp8=True)): TE's per-tensor FP8
+quantization written in aten ops against TE's own quantizer, bit for bit, over adversarial
+inputs, eagerly and through inductor; F.scaled_mm against TE's GEMM; te.Linear trained under
+compile on the graph path against eager TE.
+
+    PYTHONPATH=$PWD python3 -m pytest tests/gpu/test_graph_fp8_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+import transformer_engine_torch as tex
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch import quantization as q
+from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+import te_compile
+from te_compile.graph_fp8 import quantize
+from te_compile_testing import InductorRecorder
+
+pytestmark = pytest.mark.gpu
+FGS = q.FP8GlobalStateManager
+TE_DTYPE = {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}
+TINY = 1e-39  # a float32 (and bfloat16) denormal
+
+
+def _case(name: str, dtype: torch.dtype) -> torch.Tensor:
+    torch.manual_seed(0)
+    x = torch.randn(64, 128, device="cuda", dtype=torch.float32)
+    if name == "normal":
+        pass
+    elif name == "zeros":
+        x.zero_()
+    elif name == "denormals":  # every element tiny: the scale is huge, x * scale normal
+        x = x * TINY
+    elif name == "denormals_mixed":  # denormals beside normal values: scaled, they underflow
+        x[::2] *= TINY
+    elif name == "at_max":  # amax elements land exactly on the FP8 maximum
+        x[0, :4] = torch.tensor([448.0, -448.0, 57344.0, -57344.0])
+    elif name == "huge":
+        x = x * 1e37
+    elif name == "tiny_amax":  # scale overflows float32: TE uses FLT_MAX
+        x = x * 1e-38
+    elif name == "ties":  # values halfway between FP8 neighbours after scaling by 1
+        x = torch.arange(64 * 128, device="cuda", dtype=torch.float32).reshape(64, 128)
+        x = (x % 33) * 0.5 + 0.25
+        x[0, 0] = 448.0
+    elif name == "inf":
+        x[3, 5] = float("inf")
+    elif name == "nan":
+        x[3, 5] = float("nan")
+    elif name == "neg_zero":
+        x[:, ::2] = -0.0
+    else:
+        raise ValueError(name)
+    return x.to(dtype)
+
+
+CASES = [
+    "normal",
+    "zeros",
+    "denormals",
+    "denormals_mixed",
+    "at_max",
+    "huge",
+    "tiny_amax",
+    "ties",
+    "inf",
+    "nan",
+    "neg_zero",
+]
+
+
+def _te_quantize(x, fp8: str, eps: float, pow2: bool):
+    quantizer = Float8CurrentScalingQuantizer(
+        TE_DTYPE[fp8], x.device, force_pow_2_scales=pow2, amax_epsilon=eps
+    )
+    t = quantizer(x)
+    return t._data, t._scale_inv.reshape(1), t._transpose
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize(
+    "fp8,eps,pow2",
+    [("e4m3", 0.0, False), ("e5m2", 0.0, False), ("e4m3", 1e-3, False), ("e4m3", 0.0, True)],
+)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_quantize_current_matches_te(case, dtype, fp8, eps, pow2, compiled):
+    x = _case(case, dtype)
+    ref_data, ref_scale_inv, ref_transpose = _te_quantize(x, fp8, eps, pow2)
+    fn = quantize.quantize_current
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    data, scale_inv = fn(x, fp8, eps, pow2)
+    assert torch.equal(_bits(scale_inv), _bits(ref_scale_inv)), (scale_inv, ref_scale_inv)
+    mismatch = (_bits(data) != _bits(ref_data)).nonzero()
+    assert mismatch.numel() == 0, (
+        f"{len(mismatch)} bytes differ, first at {mismatch[0].tolist()}: x="
+        f"{x[tuple(mismatch[0])].item()!r} ours={data[tuple(mismatch[0])].float().item()!r} "
+        f"TE={ref_data[tuple(mismatch[0])].float().item()!r}"
+    )
+    assert torch.equal(_bits(ref_transpose), _bits(ref_data.t()))  # TE's copy: the transpose
+
+
+@pytest.mark.parametrize("accumulate_split", [False, True], ids=["fast_acc", "split_acc"])
+@pytest.mark.parametrize("m,n,k", [(64, 256, 128), (2048, 4096, 1024), (1024, 3072, 4096)])
+def test_scaled_mm_matches_te_gemm(m, n, k, accumulate_split):
+    """F.scaled_mm on TE's FP8 operands against TE's own GEMM (tex.generic_gemm, as eager
+    te.Linear's fprop calls it), bias included."""
+    from te_compile.graph_fp8.linear import _gemm
+
+    torch.manual_seed(0)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    qx = Float8CurrentScalingQuantizer(TE_DTYPE["e4m3"], x.device)(x)
+    qw = Float8CurrentScalingQuantizer(TE_DTYPE["e4m3"], x.device)(w)
+    from transformer_engine.pytorch.cpp_extensions import general_gemm
+
+    ref = general_gemm(
+        qw, qx, out_dtype=torch.bfloat16, bias=bias, use_split_accumulator=accumulate_split
+    )[0]
+    ours = _gemm(
+        qx._data,
+        qx._scale_inv.reshape(1),
+        qw._data.t(),
+        qw._scale_inv.reshape(1),
+        torch.bfloat16,
+        accumulate_split,
+        bias,
+    )
+    diff = (ours.float() - ref.float()).abs().max().item()
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16)), f"max |diff| {diff}"
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, hidden: int, layers: int, bias: bool):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            te.Linear(hidden, hidden, bias=bias, params_dtype=torch.bfloat16) for _ in range(layers)
+        )
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.gelu(layer(x), approximate="tanh")
+        return x
+
+
+class _OpRecorder(InductorRecorder):
+    """Inductor, also keeping the targets of the graphs' call nodes (one string)."""
+
+    def __init__(self):
+        super().__init__()
+        self.targets = ""
+
+    def __call__(self, gm, example_inputs):
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def record(g, _):
+            self.targets += " ".join(
+                str(n.target) for n in g.graph.nodes if n.op == "call_function"
+            )
+            return g
+
+        aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
+        return super().__call__(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def _graph_fp8(on: bool):
+    before = te_compile.options.current()
+    te_compile.configure(graph_fp8=on)
+    try:
+        yield
+    finally:
+        te_compile.configure(graph_fp8=before.graph_fp8)
+
+
+def _train(compiled: bool, bias: bool, steps: int = 5):
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    model = _Model(256, 3, bias).cuda()
+    if bias:
+        with torch.no_grad():
+            for layer in model.layers:
+                layer.bias.normal_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = R.Float8CurrentScaling()
+
+    def step(x):
+        with te.autocast(recipe=recipe):
+            y = model(x)
+        loss = y.float().square().mean()
+        loss.backward()
+        return loss
+
+    backend = _OpRecorder()
+    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+    losses, grads = [], []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        losses.append(fn(x).detach())
+        grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, backend
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_linear_training_graph_path_vs_eager_te(bias):
+    te_compile.patch()
+    eager_losses, eager_grads, _ = _train(False, bias)
+    with _graph_fp8(True):
+        losses, grads, backend = _train(True, bias)
+    assert backend.graphs == 1
+    assert "te_compile" not in backend.targets and "_scaled_mm_v2" in backend.targets
+    # FP8 really happened: bf16 TE gives another first loss.
+    assert all(torch.isfinite(v) for v in losses)
+    names = ["x"] + [f"p{i}" for i in range(len(grads[0]) - 1)]
+    report = []
+    for step, (ours, ref) in enumerate(zip(grads, eager_grads, strict=True)):
+        for name, a, b in zip(names, ours, ref, strict=True):
+            if not torch.equal(a, b):
+                rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
+                report.append(f"step {step} {name}: rel diff {rel:.2e}")
+    assert torch.equal(torch.stack(losses), torch.stack(eager_losses)) and not report, (
+        f"losses {torch.stack(losses).tolist()} vs eager {torch.stack(eager_losses).tolist()}; "
+        + "; ".join(report[:12])
+    )
