@@ -44,6 +44,9 @@ from stacks import BUILDERS, build  # noqa: E402
 MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
+# Opt-in variants, run when named in --recipes: "current-graph" is Float8CurrentScaling with
+# te_compile.configure(graph_fp8=True) (FP8 quantization and GEMMs as graph ops).
+EXTRA_RECIPES = ("current-graph",)
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
 # TE stacks compared against peers built on the same block (their ms / ours in the ratios).
 PEERS = {
@@ -87,6 +90,7 @@ def make_recipe(name: str):
 
     if name == "bf16":
         return None, None
+    name = name.removesuffix("-graph")
     factory, check = {
         "current": (R.Float8CurrentScaling, q.check_fp8_support),
         "block": (R.Float8BlockScaling, q.check_fp8_block_scaling_support),
@@ -99,6 +103,9 @@ def make_recipe(name: str):
 def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
     forward = model
     if te_recipe is not None:
+        import te_compile
+
+        te_compile.configure(graph_fp8=te_recipe.endswith("-graph"))
         import transformer_engine.pytorch as te
 
         def forward(inp):  # autocast inside the compiled function, as a training loop has it
@@ -467,7 +474,7 @@ def parse_args() -> argparse.Namespace:
     args.plots = args.plots or os.path.dirname(os.path.abspath(args.json))
     if not all(re.fullmatch(SHAPE_RE, s) for s in args.shapes.split(",")):
         p.error(f"--shapes: want HIDDENxTOKENSxLAYERS[xBATCH],... (got {args.shapes})")
-    for name, allowed in (("modes", MODES), ("recipes", TE_RECIPES)):
+    for name, allowed in (("modes", MODES), ("recipes", TE_RECIPES + EXTRA_RECIPES)):
         unknown = set(getattr(args, name).split(",")) - set(allowed)
         if unknown:
             p.error(f"--{name}: unknown {', '.join(sorted(unknown))}; known: {', '.join(allowed)}")

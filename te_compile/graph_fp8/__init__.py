@@ -5,5 +5,5 @@ calls TE's own kernels through te_compile's ops. docs/graph_fp8.md states where 
 bit for bit and where they do not.
 
 - `quantize.py`: TE's per-tensor FP8 arithmetic (amax, scale from amax, saturating cast).
-- `linear.py`: te.Linear's forward and backward on those, with `F.scaled_mm`.
+- `linear.py`: te.Linear's forward and backward on those, with aten's scaled GEMM.
 """

@@ -1,8 +1,8 @@
 """te.Linear's FP8 forward and backward as graph operations (Float8CurrentScaling).
 
 The same three GEMMs eager TE runs on Hopper, each a cuBLASLt FP8 GEMM in TN layout with
-per-tensor scale_inv pointers (`F.scaled_mm`, which hands cuBLASLt the problem TE hands it:
-m = rows of the result's transpose, A transposed):
+per-tensor scale_inv pointers (aten's `_scaled_mm`, which hands cuBLASLt the problem TE hands
+it: m = rows of the result's transpose, A transposed):
 
     fprop  y  = x  @ W.T   A = W   [N, K],      B = x   [M, K]   fast accumulation unless acc[0]
     dgrad  dx = dy @ W     A = W.T [K, N] copy, B = dy  [M, N]   unless acc[1]
@@ -11,6 +11,10 @@ m = rows of the result's transpose, A transposed):
 The transposed copies are TE's column-wise data: transposes of the same FP8 bytes. Quantization
 is quantize.py's, traced, so inductor fuses each amax and cast into its neighbours. dbias is a
 sum over rows of grad_output in the graph (eager TE's bgrad_quantize reduces in its own order).
+
+The GEMM is called as `torch.ops.aten._scaled_mm`, the operator torchao's float8 training and
+inductor's scaled-GEMM lowering use: the public `F.scaled_mm` wraps `torch._scaled_mm_v2`,
+which dynamo on torch 2.11 refuses to trace ("marked as skipped").
 """
 
 from __future__ import annotations
@@ -18,13 +22,11 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from ..recipes import QuantConfig
 from . import quantize
 
-_TENSORWISE = F.ScalingType.TensorWise
-# F.scaled_mm's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
+# aten's scaled GEMM's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
 _ALIGN = 16
 
 
@@ -58,15 +60,13 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, split_accumulator, bias=None):
-    return F.scaled_mm(
+    return torch.ops.aten._scaled_mm(
         a,
         b,
         a_scale_inv,
-        _TENSORWISE,
         b_scale_inv,
-        _TENSORWISE,
         bias=bias,
-        output_dtype=out_dtype,
+        out_dtype=out_dtype,
         use_fast_accum=not split_accumulator,
     )
 

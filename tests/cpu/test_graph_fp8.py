@@ -1,5 +1,5 @@
 """graph_fp8 on CPU: the quantization arithmetic against a NumPy statement of TE's formulas,
-and te.Linear's joint graph on the graph path (three F.scaled_mm, no te_compile op) with a
+and te.Linear's joint graph on the graph path (three aten._scaled_mm, no te_compile op) with a
 pretend Hopper GPU. Bit-for-bit agreement with TE's kernels is tests/gpu/test_graph_fp8_gpu.py.
 """
 
