@@ -44,9 +44,9 @@ from stacks import BUILDERS, build  # noqa: E402
 MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
-# Opt-in variants, run when named in --recipes: "current-graph" is Float8CurrentScaling with
+# Opt-in variants, run when named in --recipes: "<recipe>-graph" is that recipe with
 # te_compile.configure(graph_fp8=True) (FP8 quantization and GEMMs as graph ops).
-EXTRA_RECIPES = ("current-graph",)
+EXTRA_RECIPES = ("current-graph", "delayed-graph")
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
 # TE stacks compared against peers built on the same block (their ms / ours in the ratios).
 PEERS = {

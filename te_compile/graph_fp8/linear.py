@@ -1,4 +1,5 @@
-"""te.Linear's FP8 forward and backward as graph operations (Float8CurrentScaling).
+"""te.Linear's FP8 forward and backward as graph operations (Float8CurrentScaling and
+DelayedScaling).
 
 The same three GEMMs eager TE runs on Hopper, each a cuBLASLt FP8 GEMM in TN layout with
 per-tensor scale_inv pointers (aten's `_scaled_mm`, which hands cuBLASLt the problem TE hands
@@ -26,6 +27,8 @@ import torch
 from ..recipes import QuantConfig
 from . import quantize
 
+_DELAYED_SLOT = (0, 1, 0)
+_BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 # aten's scaled GEMM's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
 _ALIGN = 16
 
@@ -39,10 +42,12 @@ class LinearFP8(NamedTuple):
 
 def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) -> str:
     """ "" when the graph path computes this GEMM, else why not (the TE-op path runs then)."""
-    if cfg.kind != "current":
-        return f"recipe kind {cfg.kind!r} (the graph path has Float8CurrentScaling)"
-    if dtype not in (torch.bfloat16, torch.float16) or inp.dtype != dtype or weight.dtype != dtype:
-        return "input, weight and activation dtypes not one 16-bit dtype"
+    if cfg.kind not in ("current", "delayed"):
+        return f"recipe kind {cfg.kind!r} (the graph path has per-tensor recipes)"
+    if cfg.amax_group:
+        return "DelayedScaling's amax reduction over ranks"
+    if not dtype == inp.dtype == weight.dtype == torch.bfloat16:
+        return "input, weight and activation dtypes not all bfloat16"
     rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
     dims = (rows, *weight.shape)
     if not all(isinstance(d, int) and d % _ALIGN == 0 and d > 0 for d in dims):
@@ -50,7 +55,19 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     return ""
 
 
+def _stored(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as float32, rounded to bfloat16 as a store would round them. Inductor keeps
+    a fused producer's result (a GELU, a residual add) in float32 registers, unrounded, and
+    would quantize that; TE quantizes the bfloat16 tensor the producer stored. Rounding to
+    nearest even on the bits (a no-op on a value already bfloat16) gives TE's input back."""
+    f = t.float()
+    bits = f.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & _BF16_BITS).view(torch.float32)
+    return torch.where(torch.isnan(f), f, rounded)  # NaN payloads may carry into the sign
+
+
 def _quantize(t: torch.Tensor, cfg: QuantConfig, role: int):
+    t = _stored(t)
     return quantize.quantize_current(t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
 
 
@@ -72,23 +89,45 @@ def _gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, split_accumulator, bias=Non
 
 
 class _LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, call: LinearFP8):
-        cfg = call.cfg
-        x2d = x.reshape(-1, x.shape[-1])
-        xq, x_si = _quantize(x2d, cfg, 0)
-        wq, w_si = _quantize(weight, cfg, 1)
-        y = _gemm(xq, x_si, wq.t(), w_si, call.out_dtype, cfg.split_acc[0], bias)
-        ctx.save_for_backward(xq, x_si, wq, w_si)
-        ctx.call, ctx.x_shape, ctx.has_bias = call, x.shape, bias is not None
-        return y.reshape(*x.shape[:-1], weight.shape[0])
+    """DelayedScaling passes its tensors (`fwd_scale` a snapshot of TE's forward scales,
+    `bwd_scale` and `bwd_history` TE's backward state): forward quantizes with the snapshot
+    and returns the input's and weight's amaxes for the caller's history merge; backward
+    quantizes grad_output with the backward scale and runs the module's backward update (the
+    te_compile op that mutates TE's state, as the TE-kernel path does at its backward's end).
+    Per-tensor current scaling passes None for all three and gets an empty amax tensor."""
 
     @staticmethod
-    def backward(ctx, dy):
+    def forward(ctx, x, weight, bias, fwd_scale, bwd_scale, bwd_history, call: LinearFP8):
+        cfg = call.cfg
+        x2d = x.reshape(-1, x.shape[-1])
+        if fwd_scale is None:
+            xq, x_si = _quantize(x2d, cfg, 0)
+            wq, w_si = _quantize(weight, cfg, 1)
+            amaxes = x.new_zeros(0, dtype=torch.float32)
+        else:
+            xq, x_si, x_amax = _quantize_delayed(x2d, fwd_scale, cfg, 0)
+            wq, w_si, w_amax = _quantize_delayed(weight, fwd_scale, cfg, 1)
+            amaxes = torch.cat([x_amax, w_amax, torch.zeros_like(x_amax)])  # output slot: none
+        y = _gemm(xq, x_si, wq.t(), w_si, call.out_dtype, cfg.split_acc[0], bias)
+        ctx.save_for_backward(xq, x_si, wq, w_si)
+        # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
+        # (whose version check would refuse the mutation).
+        ctx.bwd_state = (bwd_scale, bwd_history)
+        ctx.call, ctx.x_shape, ctx.has_bias = call, x.shape, bias is not None
+        ctx.mark_non_differentiable(amaxes)
+        return y.reshape(*x.shape[:-1], weight.shape[0]), amaxes
+
+    @staticmethod
+    def backward(ctx, dy, _amaxes):
         xq, x_si, wq, w_si = ctx.saved_tensors
         cfg, out_dtype = ctx.call.cfg, ctx.call.out_dtype
+        bwd_scale, bwd_history = ctx.bwd_state
         dy2d = dy.reshape(-1, dy.shape[-1])
-        gq, g_si = _quantize(dy2d, cfg, 2)
+        if bwd_scale is None:
+            gq, g_si = _quantize(dy2d, cfg, 2)
+        else:
+            gq, g_si, g_amax = _quantize_delayed(dy2d, bwd_scale, cfg, 2)
+            _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, cfg.split_acc[1])
@@ -99,9 +138,26 @@ class _LinearFunction(torch.autograd.Function):
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dy2d.sum(dim=0)
-        return dx, dw, dbias, None
+        return dx, dw, dbias, None, None, None, None
 
 
-def linear(x, weight, bias, call: LinearFP8) -> torch.Tensor:
-    """y = x @ weight.T + bias with FP8 operands (see the module docstring)."""
-    return _LinearFunction.apply(x, weight, bias, call)
+def _quantize_delayed(t: torch.Tensor, scales: torch.Tensor, cfg: QuantConfig, role: int):
+    slot = _DELAYED_SLOT[role]  # TE's slots: forward input 0, weight 1; backward grad 0
+    return quantize.quantize_delayed(_stored(t), scales[slot : slot + 1], cfg.dtypes[role])
+
+
+def _update_backward_state(cfg: QuantConfig, scale, history, grad_amax) -> None:
+    """Record grad_output's amax into row 0 of TE's backward history (max with what is there,
+    as TE's cast records it) and run DelayedScaling's update of this module's backward state."""
+    latest = torch.cat([torch.maximum(history[0, :1], grad_amax), history[0, 1:]])
+    torch.ops.te_compile.amax_and_scale_update(
+        [history], [scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update, latest
+    )
+
+
+def linear(x, weight, bias, call: LinearFP8, delayed_state=None):
+    """(y = x @ weight.T + bias with FP8 operands, amaxes): see the module docstring.
+    `delayed_state` = (forward scale snapshot, backward scale, backward history) with
+    DelayedScaling, else None."""
+    fwd_scale, bwd_scale, bwd_history = delayed_state or (None, None, None)
+    return _LinearFunction.apply(x, weight, bias, fwd_scale, bwd_scale, bwd_history, call)

@@ -36,7 +36,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
     """TE's compute_scale_from_amax (current scaling: value_for_inf = FLT_MAX)."""
     amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
-    scale = (FP8_MAX[fp8] / amax.double()).float()
+    amax64 = amax.double()  # tensor / tensor: a scalar numerator is traced as a reciprocal
+    scale = (torch.full_like(amax64, FP8_MAX[fp8]) / amax64).float()
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
     one = torch.ones_like(scale)
     scale = torch.where(torch.isinf(amax) | (amax == 0), one, scale)
@@ -47,7 +48,8 @@ def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) ->
 
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """TE's scale_inv, `__frcp_rn(scale)`, by way of float64 (see the module docstring)."""
-    return (1.0 / scale.double()).float()
+    scale64 = scale.double()
+    return (torch.ones_like(scale64) / scale64).float()
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:

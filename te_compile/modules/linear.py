@@ -61,8 +61,11 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     if _graph_fp8_applies(g, s, inp):
         call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
         bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
-        out = graph_linear.linear(inp, g.weight, bias, call)
-        return _returned(self, g, gemm_common.end_forward(self, g, s, out, None))
+        delayed = None
+        if s.fwd_state:  # DelayedScaling: the forward op's scale snapshot, the backward state
+            delayed = (*gemm_common.forward_op_state(s.fwd_state), *s.bwd_state)
+        out, amaxes = graph_linear.linear(inp, g.weight, bias, call, delayed)
+        return _returned(self, g, gemm_common.end_forward(self, g, s, out, amaxes))
     outputs = torch.ops.te_compile.linear_fwd(
         inp,
         s.op_weight,

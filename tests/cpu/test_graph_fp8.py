@@ -92,6 +92,21 @@ def test_amax_skips_nan_and_cast_saturates():
     assert torch.isnan(data[1]) and str(data[6].item()) == "-0.0"
 
 
+def test_stored_rounds_float32_as_a_bfloat16_store():
+    from te_compile.graph_fp8.linear import _stored
+
+    torch.manual_seed(0)
+    specials = [0.0, -0.0, 1.0, 3.0e38, 3.3895314e38, 3.4e38, float("inf"), -float("inf"), 1e-40]
+    x = torch.cat(
+        [torch.randn(10000) * 10.0 ** torch.randint(-30, 30, (10000,)), torch.tensor(specials)]
+    )
+    want = x.to(torch.bfloat16).float()
+    assert torch.equal(_stored(x).view(torch.int32), want.view(torch.int32))
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert torch.isnan(_stored(nans)).all()
+    assert torch.equal(_stored(want.to(torch.bfloat16)), want)  # bfloat16 in: unchanged
+
+
 # ---- te.Linear on the graph path, joint graph on meta with a pretend Hopper --------------------
 
 
@@ -162,3 +177,26 @@ def test_unaligned_shapes_stay_on_te_ops(patched, fake_gpu, monkeypatch):
     with graph_fp8():
         rec = _compile_step(linear, R.Float8CurrentScaling(), x)
     assert rec.targets(rec.fw).count("te_compile.linear_fwd.default") == 1
+
+
+def test_delayed_scaling_graph_path_joint_graph(patched, fake_gpu, graph_breaks):
+    """DelayedScaling on the graph path: the forward quantizes in aten ops with a snapshot of
+    TE's scales and merges amaxes into TE's history; the backward graph runs the module's
+    backward amax/scale update (the one te_compile op left), besides the two scaled GEMMs."""
+    from te_compile_testing import build_without_gpu, meta_accepted, op_targets, recipe_state_on
+
+    fake_gpu("hopper")
+    with meta_accepted(), recipe_state_on("meta"), graph_fp8():
+        linear = build_without_gpu(
+            lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta"), "meta"
+        )
+        x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+        rec = _compile_step(linear, R.DelayedScaling(amax_history_len=4), x)
+    assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
+    fw, bw = op_targets(rec.fw), op_targets(rec.bw)
+    assert "te_compile.linear_fwd.default" not in fw and "te_compile.linear_bwd.default" not in bw
+    assert sum("_scaled_mm" in t for t in fw) == 1 and sum("_scaled_mm" in t for t in bw) == 2
+    update = "te_compile.amax_and_scale_update.default"
+    assert fw.count(update) == 1  # the autocast exit's forward update, as on the TE-kernel path
+    backward_calls = [str(n.target) + str(n.args) for g in rec.bw for n in g.graph.nodes]
+    assert sum("te_compile.amax_and_scale_update" in c for c in backward_calls) == 1

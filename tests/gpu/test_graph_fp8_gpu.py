@@ -112,6 +112,28 @@ def test_quantize_current_matches_te(case, dtype, fp8, eps, pow2, compiled):
     assert torch.equal(_bits(ref_transpose), _bits(ref_data.t()))  # TE's copy: the transpose
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.0e38, 1e-30])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", CASES)
+def test_quantize_delayed_matches_te(case, fp8, scale, compiled):
+    """DelayedScaling's cast with a given scale: data, scale_inv and the recorded amax."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    x = _case(case, torch.bfloat16)
+    scale_t = torch.full((1,), scale, device="cuda")
+    te_amax = torch.zeros(1, device="cuda")
+    ref = Float8Quantizer(scale_t, te_amax, TE_DTYPE[fp8])(x)
+    fn = quantize.quantize_delayed
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    data, scale_inv, amax = fn(x, scale_t, fp8)
+    assert torch.equal(_bits(data), _bits(ref._data))
+    assert torch.equal(_bits(scale_inv), _bits(ref._scale_inv.reshape(1)))
+    assert torch.equal(_bits(amax), _bits(te_amax))
+
+
 @pytest.mark.parametrize("accumulate_split", [False, True], ids=["fast_acc", "split_acc"])
 @pytest.mark.parametrize("m,n,k", [(64, 256, 128), (2048, 4096, 1024), (1024, 3072, 4096)])
 def test_scaled_mm_matches_te_gemm(m, n, k, accumulate_split):
@@ -187,7 +209,7 @@ def _graph_fp8(on: bool):
         te_compile.configure(graph_fp8=before.graph_fp8)
 
 
-def _train(compiled: bool, bias: bool, steps: int = 5):
+def _train(compiled: bool, bias: bool, steps: int = 5, graph_fp8: bool = False, recipe=None):
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
@@ -197,46 +219,68 @@ def _train(compiled: bool, bias: bool, steps: int = 5):
             for layer in model.layers:
                 layer.bias.normal_()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    recipe = R.Float8CurrentScaling()
+    recipe = recipe or R.Float8CurrentScaling()
 
     def step(x):
         with te.autocast(recipe=recipe):
             y = model(x)
-        loss = y.float().square().mean()
-        loss.backward()
-        return loss
+        return y.float().square().mean()
 
     backend = _OpRecorder()
-    fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+    with _graph_fp8(graph_fp8):  # read when dynamo traces: at the first call
+        fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+        losses, grads = _steps(fn, model, opt, steps)
+    state = [
+        t.clone()
+        for layer in model.layers
+        for d in ("scaling_fwd", "scaling_bwd")
+        if d in layer.fp8_meta
+        for t in (layer.fp8_meta[d].scale, layer.fp8_meta[d].amax_history)
+    ]
+    grads[-1] += state  # DelayedScaling: TE's state after the last step, compared with grads
+    return losses, grads, backend
+
+
+def _steps(fn, model, opt, steps):
     losses, grads = [], []
     torch.manual_seed(1)
     for _ in range(steps):
         x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        losses.append(fn(x).detach())
+        loss = fn(x)
+        loss.backward()
+        losses.append(loss.detach())
         grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return losses, grads, backend
+    return losses, grads
 
 
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-def test_linear_training_graph_path_vs_eager_te(bias):
+def test_linear_training_graph_path_vs_te_kernels(bias, recipe):
+    """Five SGD steps of three te.Linear + GELU layers, compiled: the graph path against the
+    default compiled path (TE's kernels through te_compile's ops, itself bit-identical to eager
+    TE in test_linear_training_gpu.py). Only the FP8 linears differ between the two graphs."""
     te_compile.patch()
-    eager_losses, eager_grads, _ = _train(False, bias)
-    with _graph_fp8(True):
-        losses, grads, backend = _train(True, bias)
+    make = {
+        "current": R.Float8CurrentScaling,
+        "delayed": lambda: R.DelayedScaling(amax_history_len=4),
+    }[recipe]
+    ref_losses, ref_grads, _ = _train(True, bias, recipe=make())
+    losses, grads, backend = _train(True, bias, graph_fp8=True, recipe=make())
+    eager_losses, _, _ = _train(False, bias, recipe=make())
     assert backend.graphs == 1
     assert "te_compile" not in backend.targets and "_scaled_mm" in backend.targets
     # FP8 really happened: bf16 TE gives another first loss.
     assert all(torch.isfinite(v) for v in losses)
-    names = ["x"] + [f"p{i}" for i in range(len(grads[0]) - 1)]
+    names = ["x"] + [f"p{i}" for i in range(len(grads[-1]) - 1)]
     report = []
-    for step, (ours, ref) in enumerate(zip(grads, eager_grads, strict=True)):
-        for name, a, b in zip(names, ours, ref, strict=True):
+    for step, (ours, ref) in enumerate(zip(grads, ref_grads, strict=True)):
+        for name, a, b in zip(names, ours, ref, strict=False):  # the last step adds state
             if not torch.equal(a, b):
                 rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 report.append(f"step {step} {name}: rel diff {rel:.2e}")
-    assert torch.equal(torch.stack(losses), torch.stack(eager_losses)) and not report, (
-        f"losses {torch.stack(losses).tolist()} vs eager {torch.stack(eager_losses).tolist()}; "
-        + "; ".join(report[:12])
+    assert torch.equal(torch.stack(losses), torch.stack(ref_losses)) and not report, (
+        f"losses {torch.stack(losses).tolist()} vs TE kernels {torch.stack(ref_losses).tolist()}"
+        f" (eager TE {torch.stack(eager_losses).tolist()}); " + "; ".join(report[:12])
     )
