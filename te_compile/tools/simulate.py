@@ -311,6 +311,37 @@ def _inductor_decomposes_meta_mutations():
         lowering.unsupported_input_tensor = original
 
 
+@contextlib.contextmanager
+def _meta_outputs_keep_their_values():
+    """Inductor's joint-graph pass `remove_no_ops` replaces every meta tensor a graph returns
+    with a bare `empty_strided` (meta tensors hold no data). On torch 2.11 the new nodes carry
+    no `val`, so the min-cut partitioner takes them for non-tensors it can neither save nor
+    recompute and refuses the graph; torch 2.14 does not make them. On a GPU no output is a
+    meta tensor. Here the nodes get their values back. (torch internals, looked up lazily.)"""
+    try:
+        from torch._inductor.fx_passes import joint_graph
+    except ImportError:
+        yield
+        return
+    original = joint_graph.remove_no_ops
+
+    def remove_no_ops(gm, *args, **kwargs):
+        result = original(gm, *args, **kwargs)
+        for node in gm.graph.find_nodes(
+            op="call_function", target=torch.ops.aten.empty_strided.default
+        ):
+            if "val" not in node.meta:
+                size, stride = node.args[:2]
+                node.meta["val"] = torch.empty_strided(size, stride, **node.kwargs)
+        return result
+
+    joint_graph.remove_no_ops = remove_no_ops
+    try:
+        yield
+    finally:
+        joint_graph.remove_no_ops = original
+
+
 def _meta_args(args, kwargs) -> bool:
     tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
     return bool(tensors) and all(t.device.type == "meta" for t in tensors)
@@ -378,8 +409,9 @@ def simulate_gpu(arch: str = "hopper"):
     _ACTIVE.append(gpu)
     try:
         with _attributes(assignments), _rng_replay_on_meta():
-            with _inductor_decomposes_meta_mutations(), _CudaToMeta():
-                yield gpu
+            with _inductor_decomposes_meta_mutations(), _meta_outputs_keep_their_values():
+                with _CudaToMeta():
+                    yield gpu
     finally:
         _ACTIVE.pop()
         for cache in caches:

@@ -68,7 +68,8 @@ def test_inductor_generates_triton_kernels_around_the_te_ops(patched):
     assert "@triton.jit" in forward and "torch.ops.te_compile.linear_fwd" in forward
     assert "torch.ops.te_compile.linear_bwd" in backward
     assert "gelu" in backward and rec.triton_kernels() >= 3
-    assert "device='cuda'" in forward and "device='meta'" not in forward + backward
+    # (torch 2.11 writes device='cuda:0', 2.14 device='cuda')
+    assert "device='cuda" in forward and "device='meta'" not in forward + backward
 
 
 def _fails_in_inductor(graph):
