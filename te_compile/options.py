@@ -1,5 +1,5 @@
-"""Library-wide options, read when dynamo traces (set them before compiling: a compiled graph
-keeps the choice it was traced with).
+"""Library-wide options, read when dynamo traces. Dynamo guards on them: changing one between
+calls recompiles the compiled functions that read it (the next call traces again).
 
     te_compile.configure(graph_fp8=True)
 """

@@ -200,3 +200,24 @@ def test_delayed_scaling_graph_path_joint_graph(patched, fake_gpu, graph_breaks)
     assert fw.count(update) == 1  # the autocast exit's forward update, as on the TE-kernel path
     backward_calls = [str(n.target) + str(n.args) for g in rec.bw for n in g.graph.nodes]
     assert sum("te_compile.amax_and_scale_update" in c for c in backward_calls) == 1
+
+
+def test_configure_after_compiling_recompiles(patched):
+    """Dynamo guards on the option: a compiled function traced without it traces again."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    with te_compile.simulate_gpu("hopper"):
+        linear = te.Linear(64, 64, params_dtype=torch.bfloat16).cuda()
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+        counter = CompileCounterWithBackend("aot_eager")
+
+        def fn(x):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                return linear(x)
+
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        compiled(x)
+        with graph_fp8():
+            compiled(x)
+            compiled(x)
+        assert counter.frame_count == 2
