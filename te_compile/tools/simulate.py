@@ -22,10 +22,11 @@ about the device of every CUDA tensor it differentiates, fake or not (torch's
 carry the same shapes, dtypes and strides; only `tensor.device` reads "meta".
 
 Everything is restored on exit. The simulation itself uses public torch APIs
-(`torch.overrides.TorchFunctionMode`); two shims for compiled code on meta tensors reach into
-torch internals, lazily and only while simulating: AOTAutograd's RNG-replay wrappers (a
-checkpointed random op, recomputed in backward) and inductor's check that refuses to decompose
-a mutating custom op whose inputs are meta tensors.
+(`torch.overrides.TorchFunctionMode`); three shims for compiled code on meta tensors reach into
+torch internals, lazily and only while simulating (simulate_compiler_shims.py): AOTAutograd's
+RNG-replay wrappers (a checkpointed random op, recomputed in backward), inductor's check that
+refuses to decompose a mutating custom op whose inputs are meta tensors, and inductor's
+replacement of meta outputs by value-less nodes (torch 2.11's partitioner refuses those).
 Nothing runs: eager TE kernels called on meta tensors fail, as they would without a GPU.
 """
 
@@ -39,6 +40,8 @@ import types
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from . import simulate_compiler_shims as compiler_shims
 
 _MXFP8_NO = "Device compute capability 10.0 or higher required for MXFP8 execution."
 _NVFP4_NO = "Device compute capability 10.0 or higher required for NVFP4 execution."
@@ -237,116 +240,6 @@ def _simulated_fused_attn_backend(**config):
     return -1, f"simulated cuDNN: qkv dtype {dtype} not supported"
 
 
-@contextlib.contextmanager
-def _rng_replay_on_meta():
-    """Activation checkpointing recomputes a random op (TE's fused attention) in backward
-    inside AOTAutograd's RNG-replay wrappers, whose kernels exist for real devices only. On
-    meta tensors nothing random runs: the wrapped op is called as is. (torch internals, looked
-    up lazily; without them checkpointed attention does not trace here, nothing else changes.)"""
-    try:
-        from torch._C import DispatchKey
-        from torch._prims import rng_prims
-    except ImportError:
-        yield
-        return
-
-    def save_meta(select):
-        def run_and_save(op, *args, **kwargs):
-            if _meta_args(args, kwargs):
-                return torch.get_rng_state(), op(*args, **kwargs)
-            return select(op, *args, **kwargs)
-
-        return run_and_save
-
-    def replay_meta(select):
-        def run_with(rng_state, op, *args, **kwargs):
-            if _meta_args(args, kwargs):
-                return op(*args, **kwargs)
-            return select(rng_state, op, *args, **kwargs)
-
-        return run_with
-
-    wrappers = (
-        (rng_prims.run_and_save_rng_state, save_meta),
-        (rng_prims.run_with_rng_state, replay_meta),
-    )
-    saved = [(hop, hop.py_kernels.get(DispatchKey.BackendSelect)) for hop, _ in wrappers]
-    try:
-        for (hop, wrap), (_, select) in zip(wrappers, saved, strict=True):
-            if select is not None:
-                hop.py_kernels[DispatchKey.BackendSelect] = wrap(select)
-                hop._dispatch_cache.clear()
-        yield
-    finally:
-        for hop, select in saved:
-            if select is not None:
-                hop.py_kernels[DispatchKey.BackendSelect] = select
-                hop._dispatch_cache.clear()
-
-
-@contextlib.contextmanager
-def _inductor_decomposes_meta_mutations():
-    """Inductor leaves a node whose inputs it cannot codegen (meta tensors among them) to a
-    fallback, and a mutating custom op's `auto_functionalized_v2` node must be decomposed
-    before lowering ("auto_functionalized_v2 was not removed"). On a GPU those inputs are CUDA
-    tensors; on the simulation's meta tensors the decomposition is allowed too, so
-    torch.compile's default backend traces what it would trace on the GPU. (torch internals,
-    looked up lazily; without them nothing changes.)"""
-    try:
-        from torch._inductor import lowering
-    except ImportError:
-        yield
-        return
-    original = lowering.unsupported_input_tensor
-
-    def unsupported_input_tensor(t, node=None):
-        if t.is_meta and node is not None and "auto_functionalized" in str(node.target):
-            return False
-        return original(t, node)
-
-    lowering.unsupported_input_tensor = unsupported_input_tensor
-    try:
-        yield
-    finally:
-        lowering.unsupported_input_tensor = original
-
-
-@contextlib.contextmanager
-def _meta_outputs_keep_their_values():
-    """Inductor's joint-graph pass `remove_no_ops` replaces every meta tensor a graph returns
-    with a bare `empty_strided` (meta tensors hold no data). On torch 2.11 the new nodes carry
-    no `val`, so the min-cut partitioner takes them for non-tensors it can neither save nor
-    recompute and refuses the graph; torch 2.14 does not make them. On a GPU no output is a
-    meta tensor. Here the nodes get their values back. (torch internals, looked up lazily.)"""
-    try:
-        from torch._inductor.fx_passes import joint_graph
-    except ImportError:
-        yield
-        return
-    original = joint_graph.remove_no_ops
-
-    def remove_no_ops(gm, *args, **kwargs):
-        result = original(gm, *args, **kwargs)
-        for node in gm.graph.find_nodes(
-            op="call_function", target=torch.ops.aten.empty_strided.default
-        ):
-            if "val" not in node.meta:
-                size, stride = node.args[:2]
-                node.meta["val"] = torch.empty_strided(size, stride, **node.kwargs)
-        return result
-
-    joint_graph.remove_no_ops = remove_no_ops
-    try:
-        yield
-    finally:
-        joint_graph.remove_no_ops = original
-
-
-def _meta_args(args, kwargs) -> bool:
-    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
-
-
 _ACTIVE: list[SimulatedGPU] = []
 
 
@@ -408,9 +301,9 @@ def simulate_gpu(arch: str = "hopper"):
         cache.cache_clear()
     _ACTIVE.append(gpu)
     try:
-        with _attributes(assignments), _rng_replay_on_meta():
-            with _inductor_decomposes_meta_mutations(), _meta_outputs_keep_their_values():
-                with _CudaToMeta():
+        with _attributes(assignments), compiler_shims.rng_replay_on_meta():
+            with compiler_shims.inductor_decomposes_meta_mutations():
+                with compiler_shims.meta_outputs_keep_their_values(), _CudaToMeta():
                     yield gpu
     finally:
         _ACTIVE.pop()
