@@ -221,3 +221,21 @@ def test_configure_after_compiling_recompiles(patched):
             compiled(x)
             compiled(x)
         assert counter.frame_count == 2
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
+    """4 TransformerLayers under te.distributed.checkpoint, compiled whole with graph_fp8: their
+    te.Linear projections take the graph path (the LayerNormLinear/LayerNormMLP GEMMs keep
+    TE's kernels), 0 graph breaks, and DelayedScaling's scale snapshot is saved, not recomputed
+    (the recompute quantizes with the original forward's scales)."""
+    from test_checkpoint_trace import te_ops, trace
+
+    with graph_fp8():
+        rec = trace(recipe_name, "te")
+    assert graph_breaks() == 0 and (len(rec.fw), len(rec.bw)) == (1, 1)
+    fw, bw = te_ops(rec.fw), te_ops(rec.bw)
+    assert "linear_fwd" not in fw + bw and "layernorm_linear_fwd" in fw
+    assert any("_scaled_mm" in t for t in rec.targets(rec.fw))
+    if recipe_name == "delayed":
+        assert "scale_snapshot" in fw and "scale_snapshot" not in bw

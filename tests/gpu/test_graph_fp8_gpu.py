@@ -209,7 +209,9 @@ def _graph_fp8(on: bool):
         te_compile.configure(graph_fp8=before.graph_fp8)
 
 
-def _train(compiled: bool, bias: bool, steps: int = 5, graph_fp8: bool = False, recipe=None):
+def _train(
+    compiled: bool, bias: bool, steps: int = 5, graph_fp8: bool = False, recipe=None, mode=None
+):
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
@@ -228,8 +230,11 @@ def _train(compiled: bool, bias: bool, steps: int = 5, graph_fp8: bool = False, 
 
     backend = _OpRecorder()
     with _graph_fp8(graph_fp8):  # read when dynamo traces: at the first call
-        fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
-        losses, grads = _steps(fn, model, opt, steps)
+        if mode == "reduce-overhead":  # inductor's CUDA graphs (a custom backend has none)
+            fn = torch.compile(step, mode=mode, fullgraph=True)
+        else:
+            fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
+        losses, grads = _steps(fn, model, opt, steps, cudagraphs=mode == "reduce-overhead")
     metas = [
         layer.fp8_meta.get(d) for layer in model.layers for d in ("scaling_fwd", "scaling_bwd")
     ]
@@ -240,10 +245,12 @@ def _train(compiled: bool, bias: bool, steps: int = 5, graph_fp8: bool = False, 
     return losses, grads, backend
 
 
-def _steps(fn, model, opt, steps):
+def _steps(fn, model, opt, steps, cudagraphs=False):
     losses, grads = [], []
     torch.manual_seed(1)
     for _ in range(steps):
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         loss = fn(x)
         loss.backward()
@@ -284,3 +291,20 @@ def test_linear_training_graph_path_vs_te_kernels(bias, recipe):
         f"losses {torch.stack(losses).tolist()} vs TE kernels {torch.stack(ref_losses).tolist()}"
         f" (eager TE {torch.stack(eager_losses).tolist()}); " + "; ".join(report[:12])
     )
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_graph_path_under_cuda_graphs_matches_default_mode(recipe):
+    """The graph path in mode="reduce-overhead" against itself in default mode: 5 steps, losses,
+    gradients and DelayedScaling state bit-identical, no cudagraph skip."""
+    from torch._dynamo.utils import counters
+
+    te_compile.patch()
+    make = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}[recipe]
+    ref_losses, ref_grads, _ = _train(True, True, graph_fp8=True, recipe=make())
+    counters.clear()
+    losses, grads, _ = _train(True, True, graph_fp8=True, recipe=make(), mode="reduce-overhead")
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    assert torch.equal(torch.stack(losses), torch.stack(ref_losses))
+    for ours, ref in zip(grads, ref_grads, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
