@@ -254,7 +254,7 @@ def _steps(fn, model, opt, steps, cudagraphs=False):
         x = torch.randn(4, 32, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         loss = fn(x)
         loss.backward()
-        losses.append(loss.detach())
+        losses.append(loss.detach().clone())  # a CUDA-graph output is overwritten next step
         grads.append([x.grad.clone()] + [p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad(set_to_none=True)
