@@ -1,8 +1,9 @@
 """What `te_compile.check`'s cases share: the recording backend, the error classification, the
 backward of a case's outputs and the fresh dynamo/TE state around each case.
 
-Diagnostics code: torch internals (`torch._dynamo.reset`, AOTAutograd's backend factory) are
-imported lazily, with a clear error if torch moved them.
+Diagnostics code: one torch internal, AOTAutograd's backend factory (which gives the check the
+forward and backward graphs), is imported lazily, with a clear error if torch moved it; the
+reset between cases is the public `torch.compiler.reset`.
 """
 
 from __future__ import annotations
@@ -40,14 +41,13 @@ class CaseResult:
 
 def dynamo():
     try:
-        from torch._dynamo import reset
         from torch._dynamo.backends.common import aot_autograd
-    except ImportError as e:  # pragma: no cover  (a torch that moved them)
+    except ImportError as e:  # pragma: no cover  (a torch that moved it)
         raise TECompileError(
-            f"te_compile.check needs torch._dynamo.reset and AOTAutograd's backend factory, "
-            f"which this torch ({torch.__version__}) does not have where expected: {e}"
+            f"te_compile.check needs AOTAutograd's backend factory, which this torch "
+            f"({torch.__version__}) does not have where expected: {e}"
         ) from e
-    return reset, aot_autograd
+    return torch.compiler.reset, aot_autograd
 
 
 def boxed_runner(gm: torch.fx.GraphModule):
