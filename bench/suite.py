@@ -184,6 +184,8 @@ def run_cell(stack, te_recipe, mode, shape: str, warmup: int, steps: int) -> dic
         recipe, unsupported = make_recipe(te_recipe) if te_recipe else (None, None)
         if unsupported:
             return {**cell, "status": "skipped", "reason": unsupported}
+        if mode == "eager" and (te_recipe or "").endswith("-graph"):  # eager TE ignores it
+            return {**cell, "status": "skipped", "reason": "eager: the recipe's own eager row"}
         reset_state()
         torch.manual_seed(0)
         model = build(stack, hidden, layers)
