@@ -277,7 +277,11 @@ def compute_ratios(results: dict) -> list[dict]:
         for stack, recipe in [(s, r) for s, r in rows if uses_te_recipes(s)]:
             ours = {m: ms_of(cells, shape, stack, recipe, m) for m in results["modes"]}
             prefix = "" if stack == REFERENCE else f"{stack}: "
-            pairs = [(vs_eager(stack, m), ours.get("eager"), ours[m]) for m in compiled]
+            # a "-graph" variant has no eager run of its own: eager TE is the recipe's
+            eager = ours.get("eager") or ms_of(
+                cells, shape, stack, recipe.removesuffix("-graph"), "eager"
+            )
+            pairs = [(vs_eager(stack, m), eager, ours[m]) for m in compiled]
             for other in [o for o in PEERS.get(stack, ()) if o in others]:
                 theirs = {m: ms_of(cells, shape, other, None, m) for m in compiled}
                 pairs += [(f"{prefix}vs {other}, {m}", theirs[m], ours[m]) for m in compiled]
