@@ -239,3 +239,25 @@ def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
     assert any("_scaled_mm" in t for t in rec.targets(rec.fw))
     if recipe_name == "delayed":
         assert "scale_snapshot" in fw and "scale_snapshot" not in bw
+
+
+def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_breaks, monkeypatch):
+    """A dynamic batch dimension (multiples of 16) keeps the graph path; the guard on the
+    divisibility sends a non-multiple to a recompile, not to wrong code."""
+    fake_gpu("hopper")
+    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
+    linear = _linear(monkeypatch, bias=False)
+    rec = JointRecorder()
+
+    def fn(x):
+        with te.autocast(recipe=R.Float8CurrentScaling()):
+            return linear(x)
+
+    compiled = torch.compile(fn, backend=rec.backend, fullgraph=True, dynamic=True)
+    with graph_fp8():
+        for rows in (32, 48):
+            x = torch.empty(rows, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).sum().backward()
+    assert graph_breaks() == 0
+    assert len(rec.fw) == 1, "one dynamic graph for both row counts"
+    assert sum("_scaled_mm" in t for t in rec.targets(rec.fw)) == 1
