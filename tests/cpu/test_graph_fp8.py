@@ -261,3 +261,29 @@ def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_brea
     assert graph_breaks() == 0
     assert len(rec.fw) == 1, "one dynamic graph for both row counts"
     assert sum("_scaled_mm" in t for t in rec.targets(rec.fw)) == 1
+
+
+def test_split_parameters_and_return_bias_on_the_graph_path(patched, graph_breaks):
+    """parameters_split: the split weights are concatenated in the graph and each gets its slice
+    of the gradient; return_bias: the bias comes back unadded, as eager TE returns it."""
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8():
+        linear = te.Linear(
+            64,
+            32,
+            params_dtype=torch.bfloat16,
+            parameters_split={"a": 16, "b": 16},
+            return_bias=True,
+        ).cuda()
+
+        def fn(x):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                out, bias = linear(x)
+            return out.float().sum() + bias.float().sum()
+
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        torch.compile(fn, backend=rec.backend, fullgraph=True)(x).backward()
+    assert graph_breaks() == 0
+    assert sum("_scaled_mm" in t for t in rec.targets(rec.fw)) == 1
+    assert linear.a_weight.grad.shape == (16, 64) and linear.b_weight.grad.shape == (16, 64)
+    assert linear.a_bias.grad.shape == (16,)
