@@ -40,7 +40,7 @@ def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) ->
     scale = (torch.full_like(amax64, FP8_MAX[fp8]) / amax64).float()
     scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
     one = torch.ones_like(scale)
-    scale = torch.where(torch.isinf(amax) | (amax == 0), one, scale)
+    scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(amax), one, scale)
     if pow2:  # keep sign and exponent: the largest power of two not above the scale
         scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
     return scale

@@ -26,7 +26,7 @@ def te_scale(amax: float, fp8_max: float, eps: float, pow2: bool) -> np.float32:
     amax = np.float32(amax)
     if amax < eps:
         amax = np.float32(eps)
-    if np.isinf(amax) or amax == 0:
+    if np.isinf(amax) or amax == 0 or np.isnan(amax):
         return np.float32(1.0)
     with np.errstate(over="ignore", divide="ignore"):
         scale = np.float32(fp8_max) / amax
