@@ -55,6 +55,7 @@ AMAXES = [
     1e30,
     3.4e38,
     float("inf"),
+    float("nan"),  # (TE's amax kernel never gives one; compute_scale_from_amax maps it to 1)
 ]
 
 
