@@ -24,10 +24,10 @@ from typing import NamedTuple
 
 import torch
 
-from ..recipes import QuantConfig
+from ..kernels.fp8_operands import DELAYED_SLOT
+from ..recipes import ROLES, QuantConfig
 from . import quantize
 
-_DELAYED_SLOT = (0, 1, 0)
 _BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 # aten's scaled GEMM's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
 _ALIGN = 16
@@ -143,7 +143,7 @@ class _LinearFunction(torch.autograd.Function):
 
 
 def _quantize_delayed(t: torch.Tensor, scales: torch.Tensor, cfg: QuantConfig, role: int):
-    slot = _DELAYED_SLOT[role]  # TE's slots: forward input 0, weight 1; backward grad 0
+    slot = DELAYED_SLOT[ROLES[role]]  # TE's slot of the role in its direction's state
     return quantize.quantize_delayed(_stored(t), scales[slot : slot + 1], cfg.dtypes[role])
 
 

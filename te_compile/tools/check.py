@@ -17,10 +17,10 @@ A case passes when its trace has no graph break and no error. The report lists, 
 graphs (forward + backward, from AOTAutograd), te_compile ops in them, and the reason of a
 failure: the option te-compile refuses, with its named error, or dynamo's graph-break reason.
 
-This is a diagnostics module: it uses torch internals (`torch._dynamo` reset, AOTAutograd's
-backend factory, dynamo's `comptime`, inductor's compile_fx), imported lazily, with a clear
-error if torch moved them. The compile path itself (te_compile.ops, te_compile.modules) uses
-public APIs only.
+This is a diagnostics module: it uses torch internals (AOTAutograd's backend factory,
+dynamo's `comptime`, inductor's compile_fx), imported lazily, with a clear error if torch moved
+them. The compile path itself (te_compile.modules, ops, kernels, graph_fp8) imports no torch
+internals.
 """
 
 from __future__ import annotations
