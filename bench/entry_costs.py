@@ -132,7 +132,7 @@ def _op_blocks(name, recipe, x, w) -> dict:
     key = _quant_config(recipe).key if recipe is not None else QuantConfig().key
     bias = torch.zeros(n, device=x.device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_(True)
-    fwd = (xg, w, bias, [], [], [], None, key, torch.bfloat16, True, True, False)
+    fwd = (xg, w, bias, [], [], [], None, key, torch.bfloat16, True, True, False, "")
     with torch.no_grad():
         out, *parts = torch.ops.te_compile.linear_fwd(*fwd)
     fp8 = recipe is not None

@@ -51,7 +51,7 @@ class QuantConfig(Spec):
     margin: float = 0.0
     fused_update: bool = labelled("fused", True)
     # DelayedScaling with reduce_amax over > 1 rank: the name of the group the backward update
-    # reduces amaxes over (kernels/amax_groups.py); "" for none.
+    # reduces amaxes over (kernels/process_groups.py); "" for none.
     amax_group: str = labelled("group", "")
 
     def __post_init__(self) -> None:

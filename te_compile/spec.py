@@ -97,3 +97,34 @@ class NormSpec(Spec):
     zero_centered_gamma: bool = labelled("zcg", False)
     fwd_sm_margin: int = labelled("fwd_margin", 0)
     bwd_sm_margin: int = labelled("bwd_margin", 0)
+
+
+@spec
+class ParallelSpec(Spec):
+    """A GEMM's tensor parallelism, as TE's tp_group / parallel_mode / sequence_parallel give
+    it. "column": output features sharded; under sequence parallelism the input arrives
+    sharded along its first dimension and is all-gathered, and dgrad is reduce-scattered
+    (else all-reduced). "row": input features sharded; the output is reduce-scattered under
+    sequence parallelism (else all-reduced), and grad_output all-gathered. An op gets its key,
+    or "" for a GEMM without tensor-parallel communication."""
+
+    mode: str = "column"  # or "row"
+    sequence: bool = labelled("sp", False)
+    group: str = ""  # the tp_group's name (kernels/process_groups.py)
+    size: int = 2
+
+    @property
+    def gathers_input(self) -> bool:
+        return self.mode == "column" and self.sequence
+
+    @property
+    def gathers_grad(self) -> bool:
+        return self.mode == "row" and self.sequence
+
+    def leading(self, n: int, forward: bool) -> int:
+        """The first dimension of a GEMM op's output (forward) or dgrad (backward) given its
+        input's (or grad_output's) first dimension `n`."""
+        if not self.sequence:
+            return n
+        grows = (self.mode == "column") == forward
+        return n * self.size if grows else n // self.size

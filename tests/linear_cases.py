@@ -23,7 +23,10 @@ def fwd_args(config: str, bias: bool, delayed: bool, cached_weight: bool = False
         fwd_state = [torch.ones(3, device="cuda"), torch.rand(3, device="cuda")]
         bwd_state = [torch.ones(2, device="cuda"), torch.rand(4, 2, device="cuda")]
     cache = weight_cache_args(config, w, fwd_state)[1] if cached_weight else []
-    return (x, w, b, fwd_state, bwd_state, cache, None, config, torch.bfloat16, True, True, True)
+    return (
+        *(x, w, b, fwd_state, bwd_state, cache, None, config, torch.bfloat16, True, True, True),
+        "",  # parallel: no tensor parallelism
+    )
 
 
 def weight_cache_args(config: str, weight, fwd_state) -> tuple:
@@ -71,4 +74,5 @@ def bwd_args(fwd: tuple) -> tuple:
         True,
         True,
         True,
+        "",  # parallel
     )

@@ -8,6 +8,6 @@ allow; no op registrations (those are in ops/). Run inside op kernels only, neve
 - gemm_layer.py: one GEMM layer's forward and backward (every GEMM op's envelope).
 - norm.py, activation.py: the prologues/epilogues around GEMMs (TE's norm and activation
   kernels, fused with quantization where TE fuses).
-- delayed_update.py, amax_groups.py: DelayedScaling's amax/scale update, amax reductions.
+- delayed_update.py, process_groups.py: DelayedScaling's amax/scale update, amax reductions.
 - te_dtypes.py: TE's dtype enums.
 """

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .amax_groups import all_reduce_max
+from .process_groups import all_reduce_max
 from .te_dtypes import FP8_DTYPES, te_fp8_dtype
 
 
@@ -26,7 +26,7 @@ def amax_and_scale_update(
 
     The most recent amaxes are row 0 of each history, as TE's kernels leave them, or `latest`
     (those rows concatenated, already reduced across ranks by the caller). `reduce_group`
-    (amax_groups.py) names a group to MAX-reduce them over here instead. `fused` picks TE's
+    (process_groups.py) names a group to MAX-reduce them over here instead. `fused` picks TE's
     fused CUDA kernel (the default) or its Python fallback (`NVTE_UNFUSED_FP8_UPDATE=1`).
     A MAX reduction is elementwise, so one call over many pairs equals one call per pair, with
     or without it.

@@ -153,6 +153,12 @@ def columnwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, f
     return _block_storage(cfg, role, None, None, data, scale_inv, fake_dtype)
 
 
+def rowwise_storage(parts: list[torch.Tensor], cfg: QuantConfig, role: str, fake_dtype):
+    """A per-tensor TE storage holding only the row-wise half [data, scale_inv]."""
+    data, scale_inv = parts
+    return _per_tensor_storage(cfg, role, data, None, scale_inv, fake_dtype)
+
+
 def _per_tensor_storage(cfg, role, data, transpose, scale_inv, fake_dtype):
     # GEMMs read only data, transpose, scale_inv and dtype: no quantizer needed.
     return _storage_classes()[0](

@@ -21,12 +21,11 @@ of what `forward` saves. Arguments are those eager TE's `_linear_forward_impl` /
 from __future__ import annotations
 
 import contextlib
-from types import SimpleNamespace
 
 import torch
 
 from ..recipes import QuantConfig
-from . import extension
+from . import extension, tensor_parallel
 from .delayed_update import amax_and_scale_update
 from .fp8_operands import (
     DELAYED_SLOT,
@@ -142,6 +141,7 @@ def forward(
     x_shape,
     device_index: int,
     gemm: int = 0,
+    tp=None,
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(y, saved parts). `x` is a high-precision tensor, or (FP8 configs) a TE storage already
     quantized for the input role, row-wise plus column-wise when `save_input` (the output of a
@@ -151,20 +151,26 @@ def forward(
     returns the amaxes), `weight_cache` a filled FP8 weight cache or []. Saved: the column-wise
     half of x when `save_input` (wgrad), of the weight when `save_weight` and the weight is
     not cached (dgrad; a cached weight is saved from the cache). Without FP8 nothing is saved
-    here: backward reads the high-precision operands."""
+    here: backward reads the high-precision operands. `tp`: the GEMM's ParallelSpec (or None);
+    a gathered input saves its local shard's parts (tensor_parallel.local_parts)."""
+    gathers = tp is not None and tp.gathers_input
     if not cfg.fp8:
+        x = cast(x, out_dtype)
         out, _ = extension.gemm(
             cast(weight, out_dtype),
-            cast(x, out_dtype),
+            tensor_parallel.gather(x, tp) if gathers else x,
             layout="TN",
             out_dtype=out_dtype,
             bias=cast(bias, out_dtype),
             split_accumulator=cfg.split_acc[0],
             device_index=device_index,
         )
-        return out, []
-    # Column-wise halves are produced only when backward will read them, as in eager TE.
-    if not is_te_storage(x):
+        return tensor_parallel.reduce_output(out, tp), []
+    saved = []
+    if gathers:
+        x, saved = _gathered_input(x, cfg, state, save_input, tp, gemm)
+    elif not is_te_storage(x):
+        # Column-wise halves are produced only when backward will read them, as in eager TE.
         x = quantize(x, cfg, "input", True, save_input, state, gemm=gemm)
     if weight_cache:
         w = weight_cache_storage(weight_cache, cfg, out_dtype)
@@ -181,22 +187,40 @@ def forward(
         split_accumulator=cfg.split_acc[0],
         device_index=device_index,
     )
-    saved = []
-    if save_input:
+    if save_input and not gathers:
         check_scale_layout(x, cfg, "input", x_shape)
         saved += columnwise_parts(x, cfg)
     if save_weight and not weight_cache:
         check_scale_layout(w, cfg, "weight", weight.shape)
         saved += columnwise_parts(w, cfg)
-    return out, saved
+    return tensor_parallel.reduce_output(out, tp), saved
+
+
+def _gathered_input(x, cfg: QuantConfig, state, save_input: bool, tp, gemm: int):
+    """Column-parallel sequence parallelism: x quantized on this rank (per-tensor: row-wise
+    only, TE gathers no FP8 transpose) and all-gathered in FP8; (whole x, the shard's saved
+    parts)."""
+    columnwise = save_input and not cfg.per_tensor
+    with (
+        bound_quantizer(
+            cfg, "input", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
+        ) as q,
+        tensor_parallel.amax_reduced(q, tp),
+    ):
+        local = extension.quantize(x, q)
+    with bound_quantizer(cfg, "input", rowwise=True, columnwise=False, state=state, gemm=gemm) as q:
+        total = tensor_parallel.gather(local, tp, q)
+    return total, (tensor_parallel.local_parts(local, cfg) if save_input else [])
 
 
 def fake_saved_parts(
-    x_shape, weight_shape, cfg: QuantConfig, *, save_input, save_weight, weight_cache, like
+    x_shape, weight_shape, cfg: QuantConfig, *, save_input, save_weight, weight_cache, like, tp=None
 ) -> list[torch.Tensor]:
     """Empty tensors shaped like `forward`'s saved parts (fake kernels)."""
     saved = []
-    if cfg.fp8 and save_input:
+    if cfg.fp8 and save_input and tp is not None and tp.gathers_input:
+        saved += tensor_parallel.fake_local_parts(x_shape, cfg, like)
+    elif cfg.fp8 and save_input:
         saved += fake_columnwise_parts(x_shape, cfg, "input", like)
     if cfg.fp8 and save_weight and not weight_cache:
         saved += fake_columnwise_parts(weight_shape, cfg, "weight", like)
@@ -232,6 +256,7 @@ def backward(
     gemm: int = 0,
     dbias: torch.Tensor | None = None,
     grad_columnwise: bool | None = None,
+    tp=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dgrad [M, in], wgrad, dbias) of `forward`; None for what is not computed.
 
@@ -243,17 +268,28 @@ def backward(
     slots. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into it, adding
     to its contents when `accumulate`, and the returned wgrad is None. `grad_columnwise`
     overrides te.Linear's rule for quantizing grad_output's column-wise half (only with a
-    bias or wgrad); LayerNormLinear always asks for both halves."""
+    bias or wgrad); LayerNormLinear always asks for both halves. `tp`: the forward's
+    ParallelSpec; dgrad comes back reduced over its group (local rows under sequence
+    parallelism)."""
+    gathers_input = tp is not None and tp.gathers_input and needs_wgrad
     if cfg.fp8:
-        if not is_te_storage(grad):
+        if tp is not None and tp.gathers_grad:
+            grad, dbias = _gathered_grad(grad, cfg, has_bias, needs_wgrad, state, tp, gemm)
+        elif not is_te_storage(grad):
             grad, dbias = quantize_grad_output(
                 grad, cfg, has_bias, needs_wgrad, state, gemm=gemm, columnwise=grad_columnwise
             )
         w = columnwise_storage(weight_parts, cfg, "weight", out_dtype) if needs_dgrad else None
-        x = columnwise_storage(input_parts, cfg, "input", out_dtype) if needs_wgrad else None
+        if gathers_input:
+            x = tensor_parallel.gathered_wgrad_input(input_parts, cfg, tp, out_dtype)
+        elif needs_wgrad:
+            x = columnwise_storage(input_parts, cfg, "input", out_dtype)
         wgrad_bias = None
     else:
         w, x = cast(weight, out_dtype), cast(x, out_dtype)
+        if tp is not None and tp.gathers_grad:
+            grad = tensor_parallel.gather(grad, tp)
+        x = tensor_parallel.gather(x, tp) if gathers_input else x
         wgrad_bias = cast(bias, out_dtype)  # with grad=True only a flag: dbias comes back
     dgrad = wgrad = None
     if needs_dgrad:
@@ -286,7 +322,21 @@ def backward(
             dbias = gemm_dbias
     if not returns_dbias(cfg, has_bias, needs_wgrad):
         dbias = None
-    return dgrad, wgrad, dbias
+    return tensor_parallel.reduce_dgrad(dgrad, tp), wgrad, dbias
+
+
+def _gathered_grad(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state, tp, gemm):
+    """Row-parallel sequence parallelism: grad_output quantized on this rank (current
+    scaling: amax reduced over the group) and all-gathered in FP8, dbias summed unfused over
+    the local rows first (TE's grad_output_preprocess)."""
+    dbias = g.sum(dim=0) if has_bias else None
+    with (
+        bound_quantizer(
+            cfg, "grad", rowwise=True, columnwise=has_bias or needs_wgrad, state=state, gemm=gemm
+        ) as q,
+        tensor_parallel.amax_reduced(q, tp),
+    ):
+        return tensor_parallel.gather(g, tp, q), dbias
 
 
 def quantize_grad_output(
@@ -329,36 +379,3 @@ def update_backward_state(cfg: QuantConfig, bwd_scale, bwd_history) -> None:
         cfg.fused_update,
         reduce_group=cfg.amax_group,
     )
-
-
-# ---- the op envelope: what every GEMM op's results and autograd context share -----------------
-
-
-def results(like: torch.Tensor, dtype: torch.dtype, *tensors) -> tuple[torch.Tensor, ...]:
-    """A backward op's results: a result not computed is an empty [0] tensor (an op's outputs
-    may not be None, nor alias each other)."""
-    return tuple(like.new_empty([0], dtype=dtype) if t is None else t for t in tensors)
-
-
-def fake_results(like: torch.Tensor, dtype: torch.dtype, *shapes) -> tuple[torch.Tensor, ...]:
-    """`results`' fake twin: (shape, computed) per result."""
-    return tuple(
-        like.new_empty(shape if computed else [0], dtype=dtype) for shape, computed in shapes
-    )
-
-
-def ride_along(a) -> SimpleNamespace:
-    """What a GEMM op's backward reads from its forward call's arguments `a`, besides saved
-    tensors: the plain values, and the state backward mutates (DelayedScaling's backward state,
-    main_grad). Mutable state rides on ctx, not save_for_backward: backward mutates it in place,
-    which the saved-tensor version check would reject."""
-    return SimpleNamespace(
-        **{k: v for k, v in vars(a).items() if k in _MUTATED_IN_BACKWARD or not _holds_tensor(v)}
-    )
-
-
-_MUTATED_IN_BACKWARD = frozenset({"bwd_state", "main_grad", "fc1_main_grad", "fc2_main_grad"})
-
-
-def _holds_tensor(v) -> bool:
-    return isinstance(v, torch.Tensor) or (isinstance(v, list) and bool(v))

@@ -22,6 +22,7 @@ def single_forward(
     out_dtype,
     like,
     head=(),
+    tp=None,
 ) -> list[torch.Tensor]:
     """The forward op's outputs [out, *head, *saved parts, (amaxes)] around `forward`; `like`
     is the op's input (x's shape and device)."""
@@ -37,14 +38,18 @@ def single_forward(
         out_dtype=out_dtype,
         x_shape=like.shape,
         device_index=like.device.index,
+        tp=tp,
     )
     return [out, *head, *saved, *([state[1]] if state else [])]
 
 
-def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head) -> list[torch.Tensor]:
+def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head, tp=None) -> list[torch.Tensor]:
     """`single_forward`'s fake twin from the op's arguments `a` (inp, weight, weight_cache,
-    save_input, save_weight, fwd_state)."""
-    out = a.inp.new_empty([*a.inp.shape[:-1], a.weight.shape[0]], dtype=out_dtype)
+    save_input, save_weight, fwd_state); `tp` the ParallelSpec or None."""
+    leading = list(a.inp.shape[:-1])
+    if tp is not None:
+        leading[0] = tp.leading(leading[0], forward=True)
+    out = a.inp.new_empty([*leading, a.weight.shape[0]], dtype=out_dtype)
     saved = fake_saved_parts(
         a.inp.shape,
         a.weight.shape,
@@ -53,6 +58,7 @@ def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head) -> list[torch.Ten
         save_weight=a.save_weight,
         weight_cache=a.weight_cache,
         like=a.inp,
+        tp=tp,
     )
     return [out, *head, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
 

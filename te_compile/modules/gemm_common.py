@@ -16,8 +16,8 @@ from typing import NamedTuple
 import torch
 
 from ..errors import UnsupportedUnderCompileError
-from ..kernels.amax_groups import reduction_group_name
 from ..kernels.fp8_operands import CACHEABLE_KINDS
+from ..kernels.process_groups import reduction_group_name
 from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
 from . import persistent_state
 
@@ -159,7 +159,8 @@ def check_module_options(
     cfg: QuantConfig,
 ) -> None:
     """The options every TE GEMM module shares that the compiled path does not implement:
-    raise, naming them. `weights` are the module's GEMM weight parameters."""
+    raise, naming them. `weights` are the module's GEMM weight parameters. (Tensor
+    parallelism: tensor_parallel.py.)"""
     from transformer_engine.debug.pytorch.debug_state import TEDebugState
     from transformer_engine.pytorch import cpu_offload, distributed
 
@@ -181,12 +182,6 @@ def check_module_options(
     for option in _USERBUFFERS:
         if getattr(m, option, False):
             raise unsupported(name, f"userbuffers overlap ({option}=True)", f"set {option}=False")
-    if m.tp_size > 1 or m.sequence_parallel:
-        raise unsupported(
-            name,
-            "tensor/sequence parallelism (tp_size > 1 or sequence_parallel=True)",
-            "use tp_size=1 and sequence_parallel=False",
-        )
     if m.fsdp_group is not None:
         raise unsupported(name, "TE-managed FSDP (fsdp_group)", "use FSDP2")
     if m.wgrad_store is not None and m.wgrad_store.delay_wgrad_compute():

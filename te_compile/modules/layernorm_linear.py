@@ -22,7 +22,7 @@ import torch
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
 from ..spec import NormSpec
-from . import gemm_common
+from . import gemm_common, tensor_parallel
 from .linear import make_forward
 
 NAME = "te.LayerNormLinear"
@@ -30,6 +30,7 @@ NAME = "te.LayerNormLinear"
 
 def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     """The traceable te.LayerNormLinear forward (see the module docstring)."""
+    tensor_parallel.refuse(NAME, self)
     g = gemm_common.begin_forward(
         NAME,
         self,

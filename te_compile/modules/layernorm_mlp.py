@@ -24,7 +24,7 @@ from ..ops.layernorm_mlp import MLPSpec
 from ..patching import Swap
 from ..recipes import QuantConfig
 from ..spec import NormSpec
-from . import checkpointing, fp8_params, gemm_common, persistent_state
+from . import checkpointing, fp8_params, gemm_common, persistent_state, tensor_parallel
 
 NAME = "te.LayerNormMLP"
 
@@ -87,6 +87,7 @@ def _requires_grad(t) -> bool:
 
 def compiled_forward(self, inp, is_first_microbatch=None):
     """The traceable te.LayerNormMLP forward (see the module docstring)."""
+    tensor_parallel.refuse(NAME, self)
     fp8, recipe = gemm_common.autocast_recipe(NAME)
     cfg = gemm_common.quant_config(NAME, recipe)
     w1, w2 = self.fc1_weight, self.fc2_weight

@@ -12,6 +12,9 @@ parameters_split: the split weights (and biases) are concatenated in the graph, 
 `noop_cat` gives them to its GEMM (a view when they tile one buffer, else a copy: the same
 values either way); autograd sends each split parameter its slice of the gradient.
 
+Tensor parallelism (tp_group, parallel_mode, sequence_parallel): the ops run TE's all-gathers
+and reductions on the group they name (tensor_parallel.py); per-tensor FP8 gathers in FP8.
+
 DelayedScaling's per-module amax/scale state is TE's own `fp8_meta`; FP8 weight caches
 (is_first_microbatch) are tensors on the module. Both are created at trace time
 (persistent_state.py) and mutated in place by the ops.
@@ -27,7 +30,7 @@ from .. import (
 )
 from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
-from . import fp8_params, gemm_common
+from . import fp8_params, gemm_common, tensor_parallel
 
 DEVICE_TYPES = gemm_common.DEVICE_TYPES  # (read here by the other modules' compiled paths)
 NAME = "te.Linear"
@@ -58,7 +61,8 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     save_input = grad and g.weight.requires_grad
     save_weight = grad and inp.requires_grad
     s = gemm_common.gemm_state(self, g, is_first_microbatch)
-    if _graph_fp8_applies(g, s, inp):
+    parallel = tensor_parallel.parallel_key(NAME, self, g.cfg)
+    if not parallel and _graph_fp8_applies(g, s, inp):
         call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
         bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
         delayed = None
@@ -79,6 +83,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         save_input,
         save_weight,
         s.accumulate,
+        parallel,
     )
     return _returned(self, g, gemm_common.end_forward(self, g, s, outputs[0], outputs[-1]))
 

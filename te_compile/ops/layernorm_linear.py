@@ -24,6 +24,7 @@ from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from ..recipes import QuantConfig
 from ..spec import NormSpec
+from . import envelope
 from .registry import op
 
 
@@ -136,7 +137,7 @@ def layernorm_linear_bwd(
         if grad_ln_out is not None:
             dgrad = dgrad + grad_ln_out.reshape(dgrad.shape)
         dx, dgamma, dbeta = tex_norm_bwd(dgrad, inp, mu, rsigma, ln_weight, NormSpec.from_key(norm))
-    return gemm_layer.results(inp, inp.dtype, dx, dgamma, dbeta, wgrad, dbias)
+    return envelope.results(inp, inp.dtype, dx, dgamma, dbeta, wgrad, dbias)
 
 
 @layernorm_linear_bwd.fake
@@ -144,7 +145,7 @@ def _(a):
     cfg = QuantConfig.from_key(a.config)
     out_features, in_features = a.grad_out.shape[-1], a.inp.shape[-1]
     norm_grads = a.needs_norm_grads
-    return gemm_layer.fake_results(
+    return envelope.fake_results(
         a.inp,
         a.inp.dtype,
         (list(a.inp.shape), norm_grads),
@@ -160,7 +161,7 @@ def _(a):
 
 def _setup_context(ctx, a, output) -> None:
     cfg = QuantConfig.from_key(a.config)
-    ctx.a = gemm_layer.ride_along(a)  # the scalars and the state backward mutates
+    ctx.a = envelope.ride_along(a)  # the scalars and the state backward mutates
     ctx.has_bias = a.bias is not None
     ctx.n_input_parts = columnwise_count(cfg) if cfg.fp8 and a.save_input else 0
     _, mu, rsigma, *rest = output

@@ -33,6 +33,7 @@ from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import norm_for_gemm, tex_norm_bwd
 from ..recipes import QuantConfig
 from ..spec import NormSpec, Spec, labelled, spec
+from . import envelope
 from . import layernorm_mlp_layout as layout
 from .registry import op
 
@@ -306,7 +307,7 @@ def layernorm_mlp_bwd(
             dx, dgamma, dbeta = tex_norm_bwd(dz, x, mu, s["rsigma"][0], gamma, n)
             dx = dx.view(grad_out.shape)
     gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
-    return gemm_layer.results(
+    return envelope.results(
         grad_out, out_dtype, dx, dgamma, dbeta, fc1_wgrad, fc1_dbias, fc2_wgrad, fc2_dbias
     )
 
@@ -316,7 +317,7 @@ def _(a):
     cfg, n, m = _specs(a)
     computed = layout.computed_grads(cfg, n.normalization, m.bias_gelu, a)
     shapes = layout.grad_shapes(a, m.activation)
-    return gemm_layer.fake_results(a.grad_out, a.out_dtype, *zip(shapes, computed, strict=True))
+    return envelope.fake_results(a.grad_out, a.out_dtype, *zip(shapes, computed, strict=True))
 
 
 # ---- autograd ----------------------------------------------------------------------------------
@@ -324,7 +325,7 @@ def _(a):
 
 def _setup_context(ctx, a, output) -> None:
     cfg, n, m = ctx.specs = _specs(a)
-    ctx.a = gemm_layer.ride_along(a)  # the plain values and the state backward mutates
+    ctx.a = envelope.ride_along(a)  # the plain values and the state backward mutates
     ctx.fc1_features = a.fc1_weight.shape[0]
     n_out = 2 if m.return_ln else 1
     ctx.mark_non_differentiable(*output[n_out:])

@@ -24,9 +24,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import gemm_layer, single_gemm
+from ..kernels import gemm_layer, single_gemm, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 from ..recipes import QuantConfig
+from . import envelope
 from .registry import op
 
 
@@ -44,6 +45,7 @@ def linear_fwd(
     save_input: bool,
     save_weight: bool,
     accumulate: bool,
+    parallel: str,
 ) -> list[Tensor]:
     """y = inp @ weight.T + bias, with FP8 operands when the config's kind is not "none".
 
@@ -51,20 +53,23 @@ def linear_fwd(
     slots); the op quantizes with those scales and returns this call's amaxes last, for the
     caller to max-merge into TE's history (row 0). `bwd_state` = [scale, amax_history] of the
     backward slots and `main_grad` (with `accumulate`, see linear_bwd) ride along to the
-    backward op."""
+    backward op. `parallel`: a ParallelSpec key (tensor parallelism, the communication
+    inside the op) or ""."""
     cfg = QuantConfig.from_key(config)
     state = gemm_layer.fresh_amax_state(fwd_state)
     return single_gemm.single_forward(
         *(inp, weight, bias, cfg, state, weight_cache, save_input, save_weight),
         out_dtype=out_dtype,
         like=inp,
+        tp=tensor_parallel.decode(parallel),
     )
 
 
 @linear_fwd.fake
 def _(a):
     cfg = QuantConfig.from_key(a.config)
-    return single_gemm.fake_single_forward(a, cfg, a.out_dtype)
+    tp = tensor_parallel.decode(a.parallel)
+    return single_gemm.fake_single_forward(a, cfg, a.out_dtype, tp=tp)
 
 
 @op(mutates=("cache", "valid", "fwd_amax"))
@@ -113,6 +118,7 @@ def linear_bwd(
     needs_dgrad: bool,
     needs_wgrad: bool,
     accumulate: bool,
+    parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
     bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
@@ -136,21 +142,25 @@ def linear_bwd(
         needs_wgrad=needs_wgrad,
         accumulate=accumulate,
         device_index=grad_out.device.index,
+        tp=tensor_parallel.decode(parallel),
     )
     gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
-    if dgrad is not None:
-        dgrad = dgrad.view([*grad_out.shape[:-1], in_features])
-    return gemm_layer.results(grad_out, out_dtype, dgrad, wgrad, dbias)
+    if dgrad is not None:  # (under sequence parallelism its first dimension differs)
+        dgrad = dgrad.view([-1, *grad_out.shape[1:-1], in_features])
+    return envelope.results(grad_out, out_dtype, dgrad, wgrad, dbias)
 
 
 @linear_bwd.fake
 def _(a):
     cfg = QuantConfig.from_key(a.config)
     out_features = a.grad_out.shape[-1]
-    return gemm_layer.fake_results(
+    leading = list(a.grad_out.shape[:-1])
+    if a.parallel:
+        leading[0] = tensor_parallel.decode(a.parallel).leading(leading[0], forward=False)
+    return envelope.fake_results(
         a.grad_out,
         a.out_dtype,
-        ([*a.grad_out.shape[:-1], a.in_features], a.needs_dgrad),
+        ([*leading, a.in_features], a.needs_dgrad),
         ([out_features, a.in_features], a.needs_wgrad and a.main_grad is None),
         ([out_features], gemm_layer.returns_dbias(cfg, a.has_bias, a.needs_wgrad)),
     )
@@ -161,7 +171,7 @@ def _(a):
 
 def _setup_context(ctx, a, output) -> None:
     cfg = QuantConfig.from_key(a.config)
-    ctx.a = gemm_layer.ride_along(a)  # the scalars and the state backward mutates
+    ctx.a = envelope.ride_along(a)  # the scalars and the state backward mutates
     ctx.in_features = a.weight.shape[1]
     ctx.has_bias = a.bias is not None
     ctx.n_input_parts = columnwise_count(cfg) if a.save_input else 0
@@ -202,6 +212,7 @@ def _backward(ctx, grads):
         needs_dgrad,
         needs_wgrad,
         a.accumulate,
+        a.parallel,
     )
     return {
         "inp": dgrad if needs_dgrad else None,

@@ -5,7 +5,7 @@ reduce_amax=True), amax_reduction_group=...)` inside the compiled step, fullgrap
 What is checked per rank: one forward and one backward graph, no graph break; the forward
 graph holds the MAX all-reduce as a functional collective feeding the amax/scale update (as
 eager TE reduces at the autocast exit); the backward GEMM op gets the group's name, resolvable
-in that process, to reduce its backward amaxes (kernels/amax_groups.py); without reduce_amax,
+in that process, to reduce its backward amaxes (kernels/process_groups.py); without reduce_amax,
 neither. And the reduction's numerics on CPU tensors, through TE's Python update (the
 `NVTE_UNFUSED_FP8_UPDATE` path): the update op reducing over the group by name, or given amaxes
 the caller reduced, equals TE's reduce-then-update on every rank. The fused CUDA kernel's runs
@@ -50,7 +50,7 @@ def _trace(dist) -> dict:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
 
     import te_compile
-    from te_compile.kernels import amax_groups
+    from te_compile.kernels import process_groups as amax_groups
     from te_compile.recipes import QuantConfig
     from te_compile_testing import JointRecorder, op_targets
 

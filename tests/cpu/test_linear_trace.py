@@ -186,11 +186,10 @@ def test_unsupported_module_options_are_named(option, patched, fake_gpu, fake_cu
 @pytest.mark.parametrize(
     "attr,value,option",
     [
-        ("tp_size", 2, "tensor/sequence parallelism"),
-        ("sequence_parallel", True, "tensor/sequence parallelism"),
         ("ub_overlap_rs_fprop", True, "userbuffers overlap"),
         ("ub_bulk_wgrad", True, "userbuffers overlap"),
-        # (parameters_split is supported: tests/cpu/test_linear_split_trace.py; FP8
+        # (parameters_split is supported: tests/cpu/test_linear_split_trace.py; tensor
+        # parallelism: tests/cpu/test_tensor_parallel_trace.py; FP8
         # parameters, quantized_model_init: tests/cpu/test_fp8_params_trace.py)
     ],
 )

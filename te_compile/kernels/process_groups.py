@@ -1,0 +1,54 @@
+"""Process groups named by plain strings, so they can cross op boundaries: DelayedScaling's
+amax reduction group (`te.autocast(amax_reduction_group=...)` with `reduce_amax=True`) and a
+module's tensor-parallel group (`tp_group`).
+
+A group's name is registered by `name_of`, called from traced module code; dynamo replays the
+registration (a dict store) after each run of the forward graph, so the real group is in the
+table before any op needs it. Ops resolve names with `group_of` at run time.
+
+The forward DelayedScaling update at the autocast exit reduces in the traced graph
+(`torch.distributed.all_reduce`, which dynamo turns into a functional collective); the
+backward update and tensor-parallel communication run inside ops, where only names arrive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WORLD = "world"  # group None: the default group
+_GROUPS: dict[str, object] = {}
+
+
+def name_of(group) -> str:
+    """The name ops resolve `group` by (None: the default group); registers it."""
+    if group is None:
+        return WORLD
+    name = group.group_name
+    _GROUPS[name] = group
+    return name
+
+
+def group_of(name: str):
+    """The process group registered as `name` (run time)."""
+    if name == WORLD:
+        return None
+    if name not in _GROUPS:
+        raise RuntimeError(f"te_compile: no process group registered as {name!r}")
+    return _GROUPS[name]
+
+
+def reduction_group_name(reduce_amax: bool, group) -> str:
+    """The name the ops reduce amaxes over, or "" for no reduction (reduce_amax off, or one
+    rank). Registers `group` under it."""
+    dist = torch.distributed
+    if not (reduce_amax and dist.is_available() and dist.is_initialized()):
+        return ""
+    if dist.get_world_size(group) <= 1:
+        return ""
+    return name_of(group)
+
+
+def all_reduce_max(tensor: torch.Tensor, name: str) -> None:
+    """In-place MAX all-reduce of `tensor` over the group registered as `name` (run time)."""
+    dist = torch.distributed
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group_of(name))
