@@ -2,10 +2,17 @@
 with te_compile, from the same weights and batches. Launch with torchrun:
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py [--steps 50] [--out DIR] \
-        [--cases none/tp,current/sp,...]
+        [--cases none/tp,current/sp,...] [--backend nccl|gloo]
+
+With fewer GPUs than ranks, ranks share GPUs; NCCL refuses two ranks on one GPU, so pass
+`--backend gloo` there (gloo's collectives on CUDA tensors: slower, and for 2 ranks the same
+sums; eager and compiled runs use the same backend either way).
 
 Each block is x + fc2(relu(fc1(ln(x)))): te.LayerNorm, fc1 a column-parallel te.Linear
-(4H / tp outputs per rank), fc2 a row-parallel te.Linear, biases on, tp_group = all ranks.
+(4H / tp outputs per rank, with bias), fc2 a row-parallel te.Linear without bias, tp_group =
+all ranks. (A row-parallel bias is added after the reduction in plain torch, as TE adds it;
+its gradient, a sum over tokens, is then inductor's reduction in the compiled step and ATen's
+in eager, summed in another order: with it, the runs would differ by that, not by TE's.)
 A case is RECIPE/MODE: RECIPE one of none (bf16), current, delayed (DelayedScaling with its
 amax reduced over the group, TE's default), block; MODE "tp" (the input replicated, fc2's
 output all-reduced) or "sp" (sequence parallel: each rank holds a slice of the sequence, fc1
@@ -31,6 +38,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import transformer_engine
 import transformer_engine.pytorch as te
 from torch._dynamo.utils import counters
 from transformer_engine.common import recipe as R
@@ -56,7 +64,7 @@ class Block(torch.nn.Module):
         kw.update(sequence_parallel=sp)
         self.ln = te.LayerNorm(H, params_dtype=torch.bfloat16, sequence_parallel=sp)
         self.fc1 = te.Linear(H, FFN, parallel_mode="column", **kw)
-        self.fc2 = te.Linear(FFN, H, parallel_mode="row", **kw)
+        self.fc2 = te.Linear(FFN, H, parallel_mode="row", bias=False, **kw)
 
     def forward(self, x):
         return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
@@ -98,7 +106,7 @@ def delayed_histories(model) -> list[torch.Tensor]:
         for m in model.modules()
         if isinstance(m, te.Linear) and hasattr(m, "fp8_meta")
         for k in ("scaling_fwd", "scaling_bwd")
-        if k in m.fp8_meta
+        if hasattr(m.fp8_meta.get(k), "amax_history")
     ]
 
 
@@ -187,14 +195,16 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
     p.add_argument("--cases", default=DEFAULT_CASES, help="RECIPE/MODE,...")
+    p.add_argument("--backend", default="nccl")
     args = p.parse_args()
-    dist.init_process_group("nccl")
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     te_compile.patch()
     group = dist.new_group(list(range(dist.get_world_size())))
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
-    results.update(torch=torch.__version__, te=te.__version__, steps=args.steps)
+    results.update(torch=torch.__version__, te=transformer_engine.__version__, steps=args.steps)
+    results.update(backend=args.backend, gpus=torch.cuda.device_count())
     failed = False
     for case in args.cases.split(","):
         try:

@@ -2,9 +2,10 @@
 amax reduction group (`te.autocast(amax_reduction_group=...)` with `reduce_amax=True`) and a
 module's tensor-parallel group (`tp_group`).
 
-A group's name is registered by `name_of`, called from traced module code; dynamo replays the
-registration (a dict store) after each run of the forward graph, so the real group is in the
-table before any op needs it. Ops resolve names with `group_of` at run time.
+A group's name is registered by `name_of`, called from traced module code: dynamo runs the
+registration while it traces (an `assume_constant_result` function), so the table holds the
+group before the first graph runs (a forward op may need it). Ops resolve names with
+`group_of` at run time.
 
 The forward DelayedScaling update at the autocast exit reduces in the traced graph
 (`torch.distributed.all_reduce`, which dynamo turns into a functional collective); the
@@ -23,9 +24,13 @@ def name_of(group) -> str:
     """The name ops resolve `group` by (None: the default group); registers it."""
     if group is None:
         return WORLD
-    name = group.group_name
-    _GROUPS[name] = group
-    return name
+    return _registered(group)
+
+
+@torch.compiler.assume_constant_result
+def _registered(group) -> str:
+    _GROUPS[group.group_name] = group
+    return group.group_name
 
 
 def group_of(name: str):
