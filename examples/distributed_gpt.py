@@ -18,6 +18,13 @@ step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) unde
   (`te.autocast` around it). Not fullgraph: FSDP2 runs its hooks outside dynamo's graph by
   design (`torch._dynamo.disable`), so the model's graph breaks at each of them and dynamo
   compiles the code between; a fullgraph compile of the model fails there (docs/distributed.md).
+- fsdp2-fp8: as fsdp2 (per block), with FP8 primary weights: the TransformerLayers are built
+  under `te.quantized_model_init(enabled=True, recipe=...)` on the meta device, sharded, then
+  materialized shard by shard by TE's `reset_parameters()` (TE's FSDP2 recipe: the local shards
+  become TE QuantizedTensors and FSDP2 all-gathers their FP8 bytes through TE's
+  `fsdp_pre_all_gather`/`fsdp_post_all_gather`); TE's FusedAdam with FP32 master weights, seeded
+  from the high-precision values the FP8 weights were made from. The JSON's `fp8_allgather`
+  (per run, eager and compiled) records what was all-gathered (see `watch_fp8_all_gathers`).
 
 `--resume`: DelayedScaling, compiled, under DDP and under FSDP2 (per block): a checkpoint
 (torch.distributed.checkpoint: the model with TE's fp8_meta in its extra state, sharded under
@@ -59,6 +66,8 @@ RECIPES = {
     "block": lambda: R.Float8BlockScaling(),
 }
 DEFAULT_CASES = "ddp/delayed,ddp/current,ddp/block,fsdp2/delayed,fsdp2/current,fsdp2/block"
+FP8_WRAPPER = "fsdp2-fp8"  # FSDP2 per block with FP8 primary weights (quantized_model_init)
+SHARD_SEED = 1000  # + rank: the RNG that initialises each rank's shard of the FP8 weights
 
 
 class LossStep(torch.nn.Module):
@@ -77,6 +86,8 @@ class LossStep(torch.nn.Module):
 
 def build(wrapper: str, recipe, compiled: bool):
     """The training step's module, wrapped and compiled as `wrapper` wants it."""
+    if wrapper == FP8_WRAPPER:
+        return build_fp8(recipe, compiled)
     gpt = M.GPT(M.GPTConfig(max_seq_len=SEQ))
     if wrapper == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -102,15 +113,177 @@ def train(wrapper: str, recipe_name: str, compiled: bool, data):
     FGS.reset()
     torch.manual_seed(0)
     gpt, step = build(wrapper, RECIPES[recipe_name](), compiled)
-    opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
+    watched = None
+    if wrapper == FP8_WRAPPER:
+        opt = fp8_optimizer(gpt)
+        watched = watch_fp8_all_gathers(gpt)
+    else:
+        opt = torch.optim.AdamW(gpt.parameters(), lr=LR)
     losses, times = M.timed_steps(step, opt, data)
     mean = torch.stack(losses).float()
     dist.all_reduce(mean)  # the mean loss over ranks, per step
-    return {
+    result = {
         "losses": (mean / dist.get_world_size()).tolist(),
         "median_ms": 1e3 * statistics.median(times[1:]),
         "first_step_s": times[0],
     }
+    if watched is not None:
+        result["fp8_allgather"] = fp8_all_gather_report(gpt, watched, len(data))
+    return result
+
+
+# ---- FSDP2 with FP8 primary weights (te.quantized_model_init) -----------------------------------
+
+
+def build_fp8(recipe, compiled: bool):
+    """The GPT of `build`, its TransformerLayers holding FP8 primary weights, sharded with FSDP2
+    and compiled per block as the fsdp2 wrapper does. TE's way (its quantized_model_init FSDP2
+    example and tests): build the layers on the meta device under quantized_model_init, shard,
+    then let each TE module's reset_parameters() initialise and quantize the local shard (FSDP2
+    then gathers the QuantizedTensor shards through TE's fsdp_pre/post_all_gather; TE's
+    block-scaled tensors are gathered that way only when made like this).
+    `fuse_qkv_params=True`: TE refuses split QKV weights in FP8. Each rank initialises its shard
+    from its own seed (SHARD_SEED + rank, in a forked RNG); the same in the eager and the compiled
+    run, so both start from the same weights."""
+    import dataclasses
+
+    from torch.distributed.fsdp import fully_shard
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    c = M.GPTConfig(max_seq_len=SEQ)
+    # Embeddings and final norm as in build() (same RNG draws); the layers are made below.
+    gpt = M.GPT(dataclasses.replace(c, num_layers=0))
+    gpt.config = c
+    with te.quantized_model_init(
+        enabled=True, recipe=recipe, preserve_high_precision_init_val=True
+    ):
+        gpt.layers = torch.nn.ModuleList(
+            te.TransformerLayer(
+                c.hidden_size,
+                c.ffn_hidden_size,
+                c.num_heads,
+                hidden_dropout=c.hidden_dropout,
+                attention_dropout=c.attention_dropout,
+                self_attn_mask_type="causal",
+                normalization=c.normalization,
+                activation="gelu",
+                layer_number=i + 1,
+                params_dtype=c.dtype,
+                fuse_qkv_params=True,
+                device="meta",
+            )
+            for i in range(c.num_layers)
+        )
+    for layer in gpt.layers:
+        fully_shard(layer)
+    fully_shard(gpt)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()]):
+        torch.manual_seed(SHARD_SEED + dist.get_rank())
+        for module in gpt.layers.modules():
+            if isinstance(module, TransformerEngineBaseModule):
+                module.reset_parameters()
+    if compiled:  # per block
+        for layer in gpt.layers:
+            layer.compile(fullgraph=True)
+    return gpt, LossStep(gpt, recipe)
+
+
+def fp8_optimizer(gpt):
+    """TE's FusedAdam with FP32 master weights (TE's optimizer for FP8 primary weights; it
+    re-quantizes the FP8 shards after each step), its master weights seeded from the
+    high-precision values the FP8 weights were made from (TE's FSDP2 example).
+    weight_decay=0.01: torch's AdamW default, which the other cases use."""
+    from torch.distributed.tensor import DTensor
+
+    opt = te.optimizers.FusedAdam(
+        gpt.parameters(),
+        lr=LR,
+        weight_decay=0.01,
+        master_weights=True,
+        master_weight_dtype=torch.float32,
+    )
+    for param in gpt.parameters():
+        opt.initialize_state(param, store_param_remainders=False)
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, te.QuantizedTensor):
+            high = local.get_high_precision_init_val()
+            opt.set_scaled_state(param, "master_param", high.to("cuda", torch.float32))
+            local.clear_high_precision_init_val()
+    return opt
+
+
+def watch_fp8_all_gathers(model) -> dict:
+    """Counts what FSDP2 all-gathers for each FP8 parameter: the parameter's local shard (a TE
+    QuantizedTensor) gets an `fsdp_pre_all_gather` of its own, an instance attribute that FSDP2
+    calls in place of the class's (FSDP2 re-reads a shard's extension at its lazy init for such
+    patches). It calls TE's and records the dtype and bytes of every tensor TE hands FSDP2 to
+    all-gather, and the bytes the same shard would send in its nominal dtype (bf16)."""
+    from torch.distributed.tensor import DTensor
+
+    stats = {
+        "fp8_params": [],
+        "pre_all_gather_calls": 0,
+        "input_bytes": {},  # dtype -> bytes this rank contributed to the all-gathers
+        "param_dtype_bytes": 0,  # what the same shards would contribute in their nominal dtype
+    }
+    for name, param in model.named_parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        if isinstance(local, te.QuantizedTensor):
+            stats["fp8_params"].append(name)
+            local.fsdp_pre_all_gather = _counting_pre_all_gather(local, stats)
+    return stats
+
+
+def _counting_pre_all_gather(local, stats: dict):
+    te_pre_all_gather = local.fsdp_pre_all_gather  # TE's, bound to this shard
+    nominal_bytes = local.numel() * local.dtype.itemsize
+
+    # FSDP2 checks the signature: these five parameters.
+    def fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        inputs, metadata = te_pre_all_gather(
+            mesh, orig_size, contiguous_orig_stride, module, mp_policy
+        )
+        stats["pre_all_gather_calls"] += 1
+        stats["param_dtype_bytes"] += nominal_bytes
+        by_dtype = stats["input_bytes"]
+        for t in inputs:
+            key = str(t.dtype).removeprefix("torch.")
+            by_dtype[key] = by_dtype.get(key, 0) + t.numel() * t.element_size()
+        return inputs, metadata
+
+    return fsdp_pre_all_gather
+
+
+def fp8_all_gather_report(model, stats: dict, steps: int) -> dict:
+    """`stats` (watch_fp8_all_gathers) and what FSDP2 holds after training: the types of the
+    sharded parameters' local tensors, and (FSDP2's own objects, private API) the types of the
+    unsharded parameters it handed the modules and the dtypes of its all-gather output buffers
+    (counts over all parameters, FP8 or not)."""
+    from collections import Counter
+
+    from torch.distributed.tensor import DTensor
+
+    sharded = Counter()
+    for param in model.parameters():
+        local = param._local_tensor if isinstance(param, DTensor) else param
+        sharded[type(local).__name__] += 1
+    report = {**stats, "steps": steps, "sharded_types": dict(sharded)}
+    try:
+        unsharded, outputs = Counter(), Counter()
+        for module in model.modules():
+            if not hasattr(module, "_get_fsdp_state"):
+                continue
+            group = module._get_fsdp_state()._fsdp_param_group
+            for fsdp_param in group.fsdp_params if group is not None else ():
+                param = getattr(fsdp_param, "_unsharded_param", None)
+                unsharded[type(param).__name__ if param is not None else "none"] += 1
+                for t in fsdp_param.all_gather_outputs:
+                    outputs[str(t.dtype).removeprefix("torch.")] += 1
+        report["unsharded_types"] = dict(unsharded)
+        report["all_gather_output_dtypes"] = dict(outputs)
+    except Exception as exc:  # noqa: BLE001 (FSDP2's private objects: reported, not fatal)
+        report["fsdp2_state_error"] = f"{type(exc).__name__}: {exc}"
+    return report
 
 
 # ---- DelayedScaling state: across ranks and against eager TE ------------------------------------
@@ -296,8 +469,10 @@ def main() -> int:
 
     for case in args.cases.split(",") if args.cases else []:
         wrapper, recipe_name = case.split("/")
+        runs = {}
         try:
-            runs = {c: train(wrapper, recipe_name, c, data) for c in (False, True)}
+            for c in (False, True):
+                runs[c] = train(wrapper, recipe_name, c, data)
             diff = max(
                 abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
             )
@@ -311,8 +486,19 @@ def main() -> int:
                     f"{c['first_step_s']:.1f}",
                     flush=True,
                 )
+                if "fp8_allgather" in c:
+                    g = c["fp8_allgather"]
+                    print(
+                        f"{'':16s} FP8 all-gather (compiled run, rank 0): "
+                        f"{len(g['fp8_params'])} FP8 params, {g['pre_all_gather_calls']} "
+                        f"pre-all-gather calls, bytes by dtype {g['input_bytes']} vs "
+                        f"{g['param_dtype_bytes']} in bf16, sharded {g['sharded_types']}",
+                        flush=True,
+                    )
         except Exception as exc:  # noqa: BLE001 (reported, the other cases go on)
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
+            if False in runs:  # the eager run finished: kept (the error is the compiled run's)
+                results[case]["eager"] = runs[False]
             if rank == 0:
                 print(f"{case:16s} ERROR {type(exc).__name__}: {str(exc)[:400]}", flush=True)
         save(results)

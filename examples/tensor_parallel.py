@@ -1,8 +1,9 @@
-"""A Megatron-style MLP stack trained tensor-parallel on 2 GPUs, eagerly with TE and compiled
-with te_compile, from the same weights and batches. Launch with torchrun:
+"""A Megatron-style MLP stack and a te.TransformerLayer stack trained tensor-parallel on 2
+GPUs, eagerly with TE and compiled with te_compile, from the same weights and batches. Launch
+with torchrun:
 
     torchrun --nproc-per-node 2 examples/tensor_parallel.py [--steps 50] [--out DIR] \
-        [--cases none/tp,current/sp,...] [--backend nccl|gloo]
+        [--cases none/tp,current/sp,layer:delayed/sp,...] [--backend nccl|gloo]
 
 With fewer GPUs than ranks, ranks share GPUs; NCCL refuses two ranks on one GPU, so pass
 `--backend gloo` there (gloo's collectives on CUDA tensors: slower, and for 2 ranks the same
@@ -13,10 +14,13 @@ Each block is x + fc2(relu(fc1(ln(x)))): te.LayerNorm, fc1 a column-parallel te.
 all ranks. (A row-parallel bias is added after the reduction in plain torch, as TE adds it;
 its gradient, a sum over tokens, is then inductor's reduction in the compiled step and ATen's
 in eager, summed in another order: with it, the runs would differ by that, not by TE's.)
-A case is RECIPE/MODE: RECIPE one of none (bf16), current, delayed (DelayedScaling with its
-amax reduced over the group, TE's default), block; MODE "tp" (the input replicated, fc2's
-output all-reduced) or "sp" (sequence parallel: each rank holds a slice of the sequence, fc1
-all-gathers it, fc2 reduce-scatters). The model is compiled whole (fullgraph, inductor), the
+"layer:" cases train te.TransformerLayer blocks instead (set_parallel_mode: QKV and FC1
+column-, proj and FC2 row-parallel; causal, 64-wide heads, no bias for the same reason).
+
+A case is [layer:]RECIPE/MODE: RECIPE one of none (bf16), current, delayed (DelayedScaling
+with its amax reduced over the group, TE's default), block; MODE "tp" (the input replicated,
+the row-parallel outputs all-reduced) or "sp" (sequence parallel: each rank holds a slice of
+the sequence, the column-parallel GEMMs all-gather it, the row-parallel ones reduce-scatter). The model is compiled whole (fullgraph, inductor), the
 loss is computed outside it. The non-TE math (ReLU, residual add) is exact in any
 implementation, so compiled and eager steps can be compared bit for bit. Under sequence
 parallelism the gradients of the replicated parameters (those TE marks `sequence_parallel`)
@@ -53,7 +57,9 @@ RECIPES = {
     "delayed": lambda: R.DelayedScaling(reduce_amax=True),
     "block": R.Float8BlockScaling,
 }
-DEFAULT_CASES = ",".join(f"{r}/{m}" for r in RECIPES for m in ("tp", "sp"))
+DEFAULT_CASES = ",".join(
+    f"{k}{r}/{m}" for k in ("", "layer:") for r in RECIPES for m in ("tp", "sp")
+)
 
 
 class Block(torch.nn.Module):
@@ -70,10 +76,31 @@ class Block(torch.nn.Module):
         return x + self.fc2(torch.relu(self.fc1(self.ln(x))))
 
 
+def transformer_layer(group, sp: bool):
+    """te.TransformerLayer with TE's tensor parallelism (QKV LayerNormLinear and FC1 column-,
+    proj and FC2 row-parallel), causal, no bias (see the module docstring), no dropout."""
+    world = dist.get_world_size(group)
+    return te.TransformerLayer(
+        H,
+        FFN,
+        H // 64,
+        bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        self_attn_mask_type="causal",
+        params_dtype=torch.bfloat16,
+        tp_group=group,
+        tp_size=world,
+        set_parallel_mode=True,
+        sequence_parallel=sp,
+    )
+
+
 class Model(torch.nn.Module):
-    def __init__(self, group, sp: bool, recipe):
+    def __init__(self, group, sp: bool, recipe, kind: str = "mlp"):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(group, sp) for _ in range(LAYERS))
+        make = transformer_layer if kind == "layer" else Block
+        self.blocks = torch.nn.ModuleList(make(group, sp) for _ in range(LAYERS))
         self.group, self.recipe = group, recipe
 
     def forward(self, x):
@@ -104,7 +131,7 @@ def delayed_histories(model) -> list[torch.Tensor]:
     return [
         m.fp8_meta[k].amax_history.clone()
         for m in model.modules()
-        if isinstance(m, te.Linear) and hasattr(m, "fp8_meta")
+        if isinstance(getattr(m, "fp8_meta", None), dict)  # every TE module
         for k in ("scaling_fwd", "scaling_bwd")
         if hasattr(m.fp8_meta.get(k), "amax_history")
     ]
@@ -145,7 +172,8 @@ def same(a: list, b: list) -> bool:
 
 
 def run_case(case: str, steps: int, group) -> dict:
-    recipe_name, mode = case.split("/")
+    kind, _, rest = case.rpartition(":")
+    recipe_name, mode = rest.split("/")
     sp = mode == "sp"
     rank, world = dist.get_rank(), dist.get_world_size()
     data = batches(steps, sp, rank, world)
@@ -155,7 +183,7 @@ def run_case(case: str, steps: int, group) -> dict:
         counters.clear()
         FGS.reset()
         torch.manual_seed(1234 + rank)  # each rank its own shards of the weights
-        model = Model(group, sp, RECIPES[recipe_name]()).cuda()
+        model = Model(group, sp, RECIPES[recipe_name](), kind or "mlp").cuda()
         if initial is None:
             initial = {
                 k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()
@@ -197,6 +225,7 @@ def main() -> int:
     p.add_argument("--cases", default=DEFAULT_CASES, help="RECIPE/MODE,...")
     p.add_argument("--backend", default="nccl")
     args = p.parse_args()
+    os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")  # attention: bit-exact runs
     dist.init_process_group(args.backend)
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())

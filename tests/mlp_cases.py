@@ -66,6 +66,7 @@ def fwd_args(config: str, keys: dict, bias: bool, delayed: bool, save=(True,) * 
         out_dtype=torch.bfloat16,
         **SaveFlags(*save)._asdict(),
         accumulate=True,
+        parallel="",
     )
 
 
@@ -110,4 +111,5 @@ def bwd_args(fwd: dict) -> dict:
         needs_fc1_dbias=True,
         needs_fc2_wgrad=True,
         accumulate=True,
+        parallel="",
     )

@@ -64,6 +64,7 @@ def lnl_fwd_args(
         save_weight=True,
         return_ln_out=return_ln_out,
         accumulate=True,
+        parallel="",
     )
 
 
@@ -107,4 +108,5 @@ def lnl_bwd_args(fwd: dict) -> dict:
         needs_norm_grads=True,
         needs_wgrad=True,
         accumulate=True,
+        parallel="",
     )

@@ -198,16 +198,18 @@ def forward(
 
 def _gathered_input(x, cfg: QuantConfig, state, save_input: bool, tp, gemm: int):
     """Column-parallel sequence parallelism: x quantized on this rank (per-tensor: row-wise
-    only, TE gathers no FP8 transpose) and all-gathered in FP8; (whole x, the shard's saved
-    parts)."""
-    columnwise = save_input and not cfg.per_tensor
-    with (
-        bound_quantizer(
-            cfg, "input", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
-        ) as q,
-        tensor_parallel.amax_reduced(q, tp),
-    ):
-        local = extension.quantize(x, q)
+    only, TE gathers no FP8 transpose; a TE storage is already quantized so, by a fused norm)
+    and all-gathered in FP8; (whole x, the shard's saved parts)."""
+    local = x
+    if not is_te_storage(x):
+        columnwise = save_input and not cfg.per_tensor
+        with (
+            bound_quantizer(
+                cfg, "input", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
+            ) as q,
+            tensor_parallel.amax_reduced(q, tp),
+        ):
+            local = extension.quantize(x, q)
     with bound_quantizer(cfg, "input", rowwise=True, columnwise=False, state=state, gemm=gemm) as q:
         total = tensor_parallel.gather(local, tp, q)
     return total, (tensor_parallel.local_parts(local, cfg) if save_input else [])
@@ -274,7 +276,8 @@ def backward(
     gathers_input = tp is not None and tp.gathers_input and needs_wgrad
     if cfg.fp8:
         if tp is not None and tp.gathers_grad:
-            grad, dbias = _gathered_grad(grad, cfg, has_bias, needs_wgrad, state, tp, gemm)
+            columnwise = has_bias or needs_wgrad if grad_columnwise is None else grad_columnwise
+            grad, dbias = _gathered_grad(grad, cfg, has_bias, columnwise, state, tp, gemm)
         elif not is_te_storage(grad):
             grad, dbias = quantize_grad_output(
                 grad, cfg, has_bias, needs_wgrad, state, gemm=gemm, columnwise=grad_columnwise
@@ -325,14 +328,14 @@ def backward(
     return tensor_parallel.reduce_dgrad(dgrad, tp), wgrad, dbias
 
 
-def _gathered_grad(g, cfg: QuantConfig, has_bias: bool, needs_wgrad: bool, state, tp, gemm):
+def _gathered_grad(g, cfg: QuantConfig, has_bias: bool, columnwise: bool, state, tp, gemm):
     """Row-parallel sequence parallelism: grad_output quantized on this rank (current
     scaling: amax reduced over the group) and all-gathered in FP8, dbias summed unfused over
     the local rows first (TE's grad_output_preprocess)."""
     dbias = g.sum(dim=0) if has_bias else None
     with (
         bound_quantizer(
-            cfg, "grad", rowwise=True, columnwise=has_bias or needs_wgrad, state=state, gemm=gemm
+            cfg, "grad", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
         ) as q,
         tensor_parallel.amax_reduced(q, tp),
     ):

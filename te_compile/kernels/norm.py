@@ -16,7 +16,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from ..recipes import QuantConfig
-from . import extension, gemm_layer
+from . import extension, gemm_layer, tensor_parallel
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -70,25 +70,34 @@ def norm_for_gemm(
     columnwise: bool,
     return_hp: bool,
     gemm: int = 0,
+    tp=None,
 ):
     """(gemm_input, ln_out, mu, rsigma): the norm of 2-D `x` as the input of GEMM `gemm`.
 
     Without FP8 both are the high-precision output. With FP8, `gemm_input` is a TE storage
     quantized by the GEMM's input quantizer (row-wise, plus column-wise when `columnwise`),
     DelayedScaling through `state` as in `gemm_layer.bound_quantizer`; `ln_out` is the
-    high-precision output when `return_hp` (then TE does not fuse), else None."""
+    high-precision output when `return_hp` (then TE does not fuse), else None. `tp`: the
+    GEMM's ParallelSpec; an input all-gathered afterwards (sequence parallelism) is quantized
+    as TE quantizes it for the gather (no per-tensor transpose, current scaling's amax
+    reduced over the group)."""
     if not cfg.fp8:
         out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
         return out, out, mu, rsigma
-    if not return_hp:
-        with gemm_layer.bound_quantizer(
+    gathered = tp if tp is not None and tp.gathers_input else None
+    if gathered is not None and cfg.per_tensor:
+        columnwise = False
+    with (
+        gemm_layer.bound_quantizer(
             cfg, "input", rowwise=True, columnwise=columnwise, state=state, gemm=gemm
-        ) as q:
+        ) as q,
+        tensor_parallel.amax_reduced(q, gathered),
+    ):
+        if not return_hp:
             out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype, quantizer=q)
-        return out, None, mu, rsigma
-    out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
-    quantized = gemm_layer.quantize(out, cfg, "input", True, columnwise, state, gemm=gemm)
-    return quantized, out, mu, rsigma
+            return out, None, mu, rsigma
+        out, mu, rsigma = tex_norm_fwd(x, weight, bias, spec, out_dtype=x.dtype)
+        return extension.quantize(out, q), out, mu, rsigma
 
 
 def stats_shapes(spec, tokens: int) -> tuple[list[int], list[int]]:

@@ -13,6 +13,7 @@ over the group first (TE's set_quantizer_amax_reduction_group), so every shard s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 
 import torch
@@ -32,6 +33,14 @@ from .process_groups import group_of
 
 def decode(key: str) -> ParallelSpec | None:
     return ParallelSpec.from_key(key) if key else None
+
+
+@functools.lru_cache(maxsize=256)
+def decode_pair(key: str) -> tuple[ParallelSpec | None, ParallelSpec | None]:
+    """A column-parallel GEMM's spec and its row-parallel partner's (LayerNormMLP's FC1 and
+    FC2 on one group)."""
+    tp = decode(key)
+    return tp, None if tp is None else dataclasses.replace(tp, mode="row")
 
 
 @functools.cache
@@ -70,10 +79,11 @@ def _reduce(t: torch.Tensor, tp: ParallelSpec) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def amax_reduced(q, tp: ParallelSpec):
+def amax_reduced(q, tp: ParallelSpec | None):
     """Within the block, a Float8CurrentScaling quantizer MAX-reduces its amax over the group
-    (other quantizers have no such option and are left alone)."""
-    if not hasattr(q, "with_amax_reduction"):
+    (other quantizers have no such option and are left alone; so is every quantizer when
+    `tp` is None)."""
+    if tp is None or not hasattr(q, "with_amax_reduction"):
         yield q
         return
     q.with_amax_reduction, q.amax_reduction_group = True, group_of(tp.group)

@@ -12,7 +12,9 @@ return_layernorm_output_gathered (without tensor parallelism it gathers nothing;
 it then runs the norm unfused and sends no gradient of the returned norm output back),
 zero_centered_gamma, parameters_split (the split weights are concatenated in the graph, as
 TE's noop_cat), is_first_microbatch (FP8 weight caching) and fuse_wgrad_accumulation as
-te.Linear; every recipe te.Linear supports.
+te.Linear; every recipe te.Linear supports. Column tensor parallelism with and without
+sequence parallelism (TE has no row-parallel LayerNormLinear): the norm runs on this rank's
+rows, its (FP8) output is all-gathered, dgrad reduced before the norm backward.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ NAME = "te.LayerNormLinear"
 
 def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_grad=False):
     """The traceable te.LayerNormLinear forward (see the module docstring)."""
-    tensor_parallel.refuse(NAME, self)
     g = gemm_common.begin_forward(
         NAME,
         self,
@@ -62,6 +63,13 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         bwd_sm_margin=self.bwd_ln_sm_margin,
     )
     gathered = self.return_layernorm_output_gathered
+    parallel = tensor_parallel.parallel_key(NAME, self, g.cfg)
+    if gathered and self.sequence_parallel:
+        raise gemm_common.unsupported(
+            NAME,
+            "return_layernorm_output_gathered=True with sequence_parallel=True",
+            "return the local norm output (return_layernorm_output_gathered=False)",
+        )
     outputs = torch.ops.te_compile.layernorm_linear_fwd(
         x,
         ln_weight,
@@ -79,6 +87,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         # Eager TE skips the fused norm+quantize when the norm output is returned or gathered.
         self.return_layernorm_output or gathered,
         s.accumulate,
+        parallel,
     )
     out = outputs[0].view(-1, *inp_shape[1:-1], outputs[0].shape[-1])
     out = gemm_common.end_forward(self, g, s, out, outputs[-1])

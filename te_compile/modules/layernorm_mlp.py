@@ -87,9 +87,9 @@ def _requires_grad(t) -> bool:
 
 def compiled_forward(self, inp, is_first_microbatch=None):
     """The traceable te.LayerNormMLP forward (see the module docstring)."""
-    tensor_parallel.refuse(NAME, self)
     fp8, recipe = gemm_common.autocast_recipe(NAME)
     cfg = gemm_common.quant_config(NAME, recipe)
+    parallel = tensor_parallel.mlp_parallel_key(NAME, self, cfg)
     w1, w2 = self.fc1_weight, self.fc2_weight
     gemm_common.check_module_options(
         NAME,
@@ -173,6 +173,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         save_fc1_out=save_fc1_out,
         save_fc2_input=save_fc2_input,
         accumulate=accumulate,
+        parallel=parallel,
     )
     gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     out = outputs[0]

@@ -23,10 +23,11 @@ def uses_tp(m) -> bool:
     return m.tp_size > 1 or m.sequence_parallel
 
 
-def parallel_key(name: str, m, cfg: QuantConfig) -> str:
+def parallel_key(name: str, m, cfg: QuantConfig, mode: str | None = None) -> str:
     """Module `m`'s ParallelSpec key ("" when its GEMM communicates nothing: tp_size 1, or
-    no parallel_mode, as in eager TE)."""
-    if not uses_tp(m) or m.parallel_mode not in ("column", "row"):
+    no parallel_mode, as in eager TE). `mode`: instead of m.parallel_mode."""
+    mode = mode or m.parallel_mode
+    if not uses_tp(m) or mode not in ("column", "row"):
         return ""
     if cfg.kind in MX_KINDS:
         raise unsupported(
@@ -35,7 +36,7 @@ def parallel_key(name: str, m, cfg: QuantConfig) -> str:
             f"use a per-tensor or Float8BlockScaling recipe, or {NO_TP}",
         )
     spec = ParallelSpec(
-        mode=m.parallel_mode,
+        mode=mode,
         sequence=bool(m.sequence_parallel),
         group=name_of(m.tp_group),
         size=m.tp_size,
@@ -43,9 +44,14 @@ def parallel_key(name: str, m, cfg: QuantConfig) -> str:
     return spec.key
 
 
-def refuse(name: str, m) -> None:
-    """Modules whose compiled path has no tensor parallelism yet."""
-    if uses_tp(m):
+def mlp_parallel_key(name: str, m, cfg: QuantConfig) -> str:
+    """te.LayerNormMLP's key: FC1's (column-parallel; FC2 is its row-parallel partner) under
+    set_parallel_mode. Without it eager TE shards the weights but communicates nothing,
+    except an all-gather under sequence parallelism that nothing reduces back: refused."""
+    if m.set_parallel_mode:
+        return parallel_key(name, m, cfg, mode="column")
+    if m.sequence_parallel:
         raise unsupported(
-            name, "tensor/sequence parallelism (tp_size > 1 or sequence_parallel=True)", NO_TP
+            name, "sequence_parallel=True without set_parallel_mode", "set set_parallel_mode=True"
         )
+    return ""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import gemm_layer, single_gemm
+from ..kernels import gemm_layer, single_gemm, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from ..recipes import QuantConfig
@@ -49,11 +49,15 @@ def layernorm_linear_fwd(
     save_weight: bool,
     return_ln_out: bool,
     accumulate: bool,
+    parallel: str,
 ) -> list[Tensor]:
     """norm(inp) @ weight.T + bias. DelayedScaling: `fwd_state` = [scale]; this call's amaxes
-    are returned last (see linear.linear_fwd)."""
+    are returned last (see linear.linear_fwd). `parallel`: as linear_fwd's (column-parallel
+    only: the norm runs on this rank's rows, its output is all-gathered under sequence
+    parallelism)."""
     cfg = QuantConfig.from_key(config)
     state = gemm_layer.fresh_amax_state(fwd_state)
+    tp = tensor_parallel.decode(parallel)
     x, ln_out, mu, rsigma = norm_for_gemm(
         inp,
         ln_weight,
@@ -63,6 +67,7 @@ def layernorm_linear_fwd(
         state=state,
         columnwise=save_input,
         return_hp=return_ln_out,
+        tp=tp,
     )
     if mu is None:
         mu = rsigma.new_empty([0])
@@ -72,6 +77,7 @@ def layernorm_linear_fwd(
         out_dtype=inp.dtype,
         like=inp,
         head=[mu, rsigma, *kept],
+        tp=tp,
     )
 
 
@@ -82,7 +88,8 @@ def _(a):
     mu, rsigma = stats_shapes(NormSpec.from_key(a.norm), inp.shape[0])
     stats = [inp.new_empty(mu, dtype=torch.float32), inp.new_empty(rsigma, dtype=torch.float32)]
     kept = [torch.empty_like(inp)] if _has_ln_out(cfg, a.save_input, a.return_ln_out) else []
-    return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept)
+    tp = tensor_parallel.decode(a.parallel)
+    return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept, tp=tp)
 
 
 @op(mutates=("bwd_scale", "bwd_history", "main_grad"))
@@ -107,10 +114,12 @@ def layernorm_linear_bwd(
     needs_norm_grads: bool,
     needs_wgrad: bool,
     accumulate: bool,
+    parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of layernorm_linear_fwd, as eager TE's `_LayerNormLinear.backward`: the GEMM
-    layer's backward (grad_output quantized with both halves), the gradient of a returned
-    norm output added to dgrad, then TE's norm backward."""
+    layer's backward (grad_output quantized with both halves; dgrad reduced over the
+    tensor-parallel group), the gradient of a returned norm output added to dgrad, then TE's
+    norm backward."""
     cfg = QuantConfig.from_key(config)
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     dgrad, wgrad, dbias = gemm_layer.backward(
@@ -130,6 +139,7 @@ def layernorm_linear_bwd(
         accumulate=accumulate,
         device_index=grad_out.device.index,
         grad_columnwise=True,
+        tp=tensor_parallel.decode(parallel),
     )
     gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
     dx = dgamma = dbeta = None
@@ -221,6 +231,7 @@ def _backward(ctx, grads):
         needs_norm_grads=needs_norm_grads,
         needs_wgrad=needs_wgrad,
         accumulate=a.accumulate,
+        parallel=a.parallel,
     )
     return {
         "inp": dx if needs[0] else None,

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import torch
 from torch import Tensor
 
-from ..kernels import activation, gemm_layer
+from ..kernels import activation, gemm_layer, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import norm_for_gemm, tex_norm_bwd
 from ..recipes import QuantConfig
@@ -52,9 +52,6 @@ class MLPSpec(Spec):
 
 def _specs(a) -> tuple[QuantConfig, NormSpec, MLPSpec]:
     return QuantConfig.from_key(a.config), NormSpec.from_key(a.norm), MLPSpec.from_key(a.mlp)
-
-
-# ---- forward -----------------------------------------------------------------------------------
 
 
 @op()
@@ -81,12 +78,14 @@ def layernorm_mlp_fwd(
     save_fc1_out: bool,
     save_fc2_input: bool,
     accumulate: bool,
+    parallel: str,
 ) -> list[Tensor]:
     """DelayedScaling: `fwd_state` = [scale] of the six forward slots; this call's amaxes are
-    returned last for the caller to max-merge into TE's history. `bwd_state` = [scale,
-    amax_history] of the backward slots, the main grads and `accumulate` ride along to the
-    backward op."""
+    returned last for the caller to max-merge into TE's history; `bwd_state` (backward slots'
+    [scale, amax_history]), the main grads and `accumulate` ride along to the backward op.
+    `parallel`: FC1's ParallelSpec key (column; FC2 is row-parallel) or ""."""
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
+    fc1_tp, fc2_tp = tensor_parallel.decode_pair(parallel)
     dev = inp.device.index
     hidden = ln_weight.numel()
     x = gemm_layer.cast(inp.reshape(-1, hidden), out_dtype)
@@ -104,6 +103,7 @@ def layernorm_mlp_fwd(
         columnwise=save_fc1_input,
         return_hp=m.return_ln,
         gemm=FC1,
+        tp=fc1_tp,
     )
 
     # FC1. TE's bias-GeLU fusion adds the bias in the activation instead of the GEMM.
@@ -120,6 +120,7 @@ def layernorm_mlp_fwd(
         x_shape=x.shape,
         device_index=dev,
         gemm=FC1,
+        tp=fc1_tp,
     )
     if cfg.fp8:  # FC1's saved parts: input's column-wise half first, then the weight's
         n_in = columnwise_count(cfg) if save_fc1_input else 0
@@ -146,9 +147,10 @@ def layernorm_mlp_fwd(
         save_input=save_fc2_input,
         save_weight=save_fc1_out,
         out_dtype=out_dtype,
-        x_shape=(x.shape[0], fc2_weight.shape[1]),
+        x_shape=(fc1_out.shape[0], fc2_weight.shape[1]),
         device_index=dev,
         gemm=FC2,
+        tp=fc2_tp,
     )
     if not cfg.fp8:
         fc2_saved = [act_out] if save_fc2_input else []
@@ -217,6 +219,7 @@ def layernorm_mlp_bwd(
     needs_fc1_dbias: bool,
     needs_fc2_wgrad: bool,
     accumulate: bool,
+    parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of layernorm_mlp_fwd. `needs_norm_grads`: of the input or the norm's
     parameters (FC1 dgrad and the norm backward run). `saved` holds every group of the forward's
@@ -233,6 +236,7 @@ def layernorm_mlp_bwd(
     if not g.is_contiguous():
         g = g.contiguous()
     state = gemm_layer.backward_state(cfg, bwd_scale, bwd_history)
+    tps = tensor_parallel.decode_pair(parallel)
 
     def hp(name):  # a high-precision saved operand (no FP8)
         return s[name][0] if not cfg.fp8 and s[name] else None
@@ -256,6 +260,7 @@ def layernorm_mlp_bwd(
             accumulate=accumulate,
             device_index=dev,
             gemm=gemm,
+            tp=tps[gemm],
             **kw,
         )
 
@@ -350,13 +355,14 @@ def _setup_context(ctx, a, output) -> None:
     )
 
 
-# The forward's inputs setup_context saves (None where backward does not read them), then the
-# saved groups; and the forward's arguments passed to the backward op unchanged.
+# The forward's inputs setup_context saves (None where backward does not read them, then the
+# saved groups) and the forward's arguments passed to the backward op unchanged.
 _SAVED_INPUTS = ("inp", "ln_weight", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
 _FROM_FORWARD = (
     *("fc1_main_grad", "fc2_main_grad", "config", "norm", "mlp", "out_dtype"),
     *layout.SaveFlags._fields,
     "accumulate",
+    "parallel",
 )
 
 

@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..kernels import gemm_layer
+from ..kernels import gemm_layer, tensor_parallel
 from ..kernels.activation import output_features
 from ..kernels.fp8_operands import columnwise_count, fake_columnwise_parts
 from ..recipes import QuantConfig
@@ -85,20 +85,24 @@ def returned(segs: Segments, skip: set, group: Callable[[str], list]) -> list:
 def fake_returned(segs: Segments, skip: set, cfg: QuantConfig, a) -> list:
     """`returned`'s fake twin, for the forward op's arguments `a`."""
     rows, hidden = a.inp.numel() // a.inp.shape[-1], a.inp.shape[-1]
+    tp = tensor_parallel.decode(a.parallel)
+    total = rows if tp is None else tp.leading(rows, forward=True)  # FC1's output rows
 
     def empty(shape, dtype=a.out_dtype):
         return a.inp.new_empty(shape, dtype=dtype)
 
-    def operand(shape):
+    def operand(shape, local=False):  # local: an FP8 shard backward re-gathers
+        if local:
+            return tensor_parallel.fake_local_parts(shape, cfg, a.inp)
         return fake_columnwise_parts(shape, cfg, "input", a.inp) if cfg.fp8 else [empty(shape)]
 
     groups = {
         "mu": lambda: [empty([rows], torch.float32)],
         "rsigma": lambda: [empty([rows], torch.float32)],
-        "fc1_input": lambda: operand([rows, hidden]),
+        "fc1_input": lambda: operand([rows, hidden], cfg.fp8 and tp and tp.gathers_input),
         "fc1_weight": lambda: fake_columnwise_parts(a.fc1_weight.shape, cfg, "weight", a.inp),
-        "fc1_out": lambda: [empty([rows, a.fc1_weight.shape[0]])],
-        "fc2_input": lambda: operand([rows, a.fc2_weight.shape[1]]),
+        "fc1_out": lambda: [empty([total, a.fc1_weight.shape[0]])],
+        "fc2_input": lambda: operand([total, a.fc2_weight.shape[1]]),
         "fc2_weight": lambda: fake_columnwise_parts(a.fc2_weight.shape, cfg, "weight", a.inp),
     }
     return returned(segs, skip, lambda name: groups[name]())

@@ -254,13 +254,17 @@ def test_unsupported_options_are_named(kwargs, option, meta_gpu):
         _trace(m, R.Float8CurrentScaling(), x)
 
 
-def test_tensor_parallel_is_named(meta_gpu):
+def test_gathered_norm_output_under_sequence_parallelism_is_named(meta_gpu):
+    """(Tensor parallelism itself: tests/cpu/test_tensor_parallel_trace.py.)"""
     enter, _ = meta_gpu
     enter("hopper")
     m = make()
-    object.__setattr__(m, "tp_size", 2)
+    for attr, value in (("tp_size", 2), ("sequence_parallel", True), ("parallel_mode", "column")):
+        object.__setattr__(m, attr, value)
+    m.return_layernorm_output = m.return_layernorm_output_gathered = True
     x = torch.empty(32, IN, device="meta", dtype=torch.bfloat16)
-    with pytest.raises(RuntimeError, match="te.LayerNormLinear with tensor/sequence parallelism"):
+    match = "te.LayerNormLinear with return_layernorm_output_gathered=True with sequence_par"
+    with pytest.raises(RuntimeError, match=match):
         _trace(m, None, x)
 
 

@@ -341,7 +341,8 @@ REFUSED = {
     "delay_wgrad": (dict(delay_wgrad_compute=True), None, "delay_wgrad_compute"),
     "gemm_gelu_env": ({}, ("gemm_gelu_fusion", True), "NVTE_GEMM_GELU_FUSION"),
     "no_bias_gelu": ({}, ("bias_gelu_nvfusion", False), "cuBLAS GEMM epilogues"),
-    "tp": ({}, ("tp_size", 2), "tensor/sequence parallelism"),
+    # (tensor parallelism itself: tests/cpu/test_tensor_parallel_trace.py)
+    "sp_alone": ({}, ("sequence_parallel", True), "sequence_parallel=True without set_parallel"),
 }
 
 

@@ -1,6 +1,7 @@
 """2-GPU suite: examples/distributed_gpt.py under torchrun (DDP, FSDP2 compiled per block and
 FSDP2 with the whole model compiled x DelayedScaling with amax reduction, Float8CurrentScaling
-and Float8BlockScaling, compiled vs eager; DelayedScaling state across ranks; checkpoint
+and Float8BlockScaling, compiled vs eager; FSDP2 per block with FP8 primary weights
+(te.quantized_model_init), all-gathered in FP8; DelayedScaling state across ranks; checkpoint
 resume), then its checks read back from the JSON it writes. Skips without 2 CUDA GPUs.
 Run: `python3 -m pytest tests/gpu -k distributed`; or check the JSON of a run launched by hand
 (a long run under a time limit): TE_COMPILE_DISTRIBUTED_JSON=path/distributed-gpt.json.
@@ -21,6 +22,14 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 CASES = ["ddp/delayed", "ddp/current", "ddp/block", "fsdp2/delayed", "fsdp2/current"]
 CASES += ["fsdp2/block", "fsdp2-whole/delayed", "fsdp2-whole/current"]
+# FSDP2 per block, FP8 primary weights: recipe -> the type of TE's FP8 parameter shards.
+FP8_PARAM_TYPES = {
+    "fsdp2-fp8/delayed": "Float8Tensor",
+    "fsdp2-fp8/current": "Float8Tensor",
+    "fsdp2-fp8/block": "Float8BlockwiseQTensor",
+}
+CASES += list(FP8_PARAM_TYPES)
+FP8_WEIGHTS = 2 * 4  # per TransformerLayer: fused QKV, attention projection, fc1, fc2
 LOSS_BOUND = 0.25  # max |compiled - eager| over 50 steps (inductor's fusion, amplified)
 
 
@@ -56,6 +65,34 @@ def test_compiled_trains_like_eager(run, case):
     assert compiled[-1] < compiled[0] - 1.0, "compiled run did not learn"
     assert result["max_diff"] < LOSS_BOUND, result["max_diff"]
     print(case, "eager", eager[-1], "compiled", compiled[-1], "max diff", result["max_diff"])
+
+
+@pytest.mark.parametrize("case", list(FP8_PARAM_TYPES))
+def test_fsdp2_gathers_fp8_weights_in_fp8(run, case):
+    """FP8 primary weights under FSDP2, eager and compiled: the sharded GEMM weights are TE
+    QuantizedTensors, FSDP2 hands the modules unsharded QuantizedTensors, and what TE's
+    fsdp_pre_all_gather gives FSDP2 to all-gather (counted by the example on rank 0) is the
+    FP8 data, one byte per element (uint8; block scaling adds its float32 scales): about half
+    of what the same weights would gather in bf16, on every step. The eager run is checked
+    first: the example keeps it when the compiled run fails."""
+    result = run[case]
+    quantized = FP8_PARAM_TYPES[case]
+    dtypes = {"uint8", "float32"} if quantized == "Float8BlockwiseQTensor" else {"uint8"}
+    for mode in ("eager", "compiled"):
+        assert mode in result, result.get("error")
+        gathered = result[mode]["fp8_allgather"]
+        print(case, mode, gathered)
+        assert "fsdp2_state_error" not in gathered, gathered["fsdp2_state_error"]
+        n = len(gathered["fp8_params"])
+        assert n == FP8_WEIGHTS, gathered["fp8_params"]
+        assert gathered["sharded_types"].get(quantized) == n, gathered["sharded_types"]
+        assert gathered["unsharded_types"].get(quantized) == n, gathered["unsharded_types"]
+        assert gathered["pre_all_gather_calls"] >= gathered["steps"] * n
+        by_dtype = gathered["input_bytes"]
+        assert set(by_dtype) == dtypes, by_dtype
+        assert 2 * by_dtype.get("uint8", 0) == gathered["param_dtype_bytes"], by_dtype
+        assert sum(by_dtype.values()) < 0.55 * gathered["param_dtype_bytes"], by_dtype
+        assert gathered["all_gather_output_dtypes"].get("uint8") == n, gathered
 
 
 def test_delayed_state_reduced_and_equal_to_eager(run):

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism on 2 GPUs: examples/tensor_parallel.py under torchrun (a
-stack of LayerNorm + column-parallel te.Linear + ReLU + row-parallel te.Linear blocks, every
-Hopper recipe, with and without sequence parallelism, 50 steps eager TE vs compiled), then its
-JSON read back. With 2 GPUs, one rank per GPU over NCCL; with one GPU, the 2 ranks share it
+stack of LayerNorm + column-parallel te.Linear + ReLU + row-parallel te.Linear blocks, and a
+stack of te.TransformerLayer with set_parallel_mode; every Hopper recipe, with and without
+sequence parallelism, 50 steps eager TE vs compiled), then its JSON read back. With 2 GPUs, one rank per GPU over NCCL; with one GPU, the 2 ranks share it
 over gloo (NCCL refuses two ranks on one GPU): the same computation, gloo's collectives.
 Run: `python3 -m pytest tests/gpu/test_tensor_parallel_gpu.py`; or check the JSON of a run
 launched by hand: TE_COMPILE_TP_JSON=path/tensor-parallel.json.
@@ -21,7 +21,7 @@ import torch
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ["none", "current", "delayed", "block"]
-CASES = [f"{r}/{m}" for r in RECIPES for m in ("tp", "sp")]
+CASES = [f"{k}{r}/{m}" for k in ("", "layer:") for r in RECIPES for m in ("tp", "sp")]
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +48,7 @@ def run(tmp_path_factory):
 
 
 def _result(run, case):
-    if case == "block/sp" and run.get("backend") == "gloo":
+    if case.endswith("block/sp") and run.get("backend") == "gloo":
         pytest.skip("TE's blockwise FP8 all-gather coalesces collectives, which gloo lacks")
     return run[case]
 
@@ -63,9 +63,10 @@ def test_compiled_equals_eager_te_bit_for_bit(run, case):
     assert c["losses"][-1] < 0.9 * c["losses"][0], "did not learn"
 
 
-@pytest.mark.parametrize("mode", ["tp", "sp"])
+@pytest.mark.parametrize("mode", ["tp", "sp", "layer:tp", "layer:sp"])
 def test_delayed_state_equal_to_eager_and_across_ranks(run, mode):
-    r = run[f"delayed/{mode}"]
+    kind, _, mode = mode.rpartition(":")
+    r = run[f"{kind + ':' if kind else ''}delayed/{mode}"]
     assert "error" not in r, r.get("error")
     assert r["n_histories"] > 0 and r["histories_equal"], r
     assert r["histories_equal_across_ranks"], r
@@ -74,5 +75,6 @@ def test_delayed_state_equal_to_eager_and_across_ranks(run, mode):
 @pytest.mark.parametrize("case", [c for c in CASES if not c.startswith("none")])
 def test_fp8_really_quantized(run, case):
     """FP8 losses differ from the bf16 run's of the same mode (the same data and weights)."""
-    bf16 = run[f"none/{case.split('/')[1]}"]["eager"]["losses"]
+    kind, _, rest = case.rpartition(":")
+    bf16 = run[f"{kind}{':' if kind else ''}none/{rest.split('/')[1]}"]["eager"]["losses"]
     assert _result(run, case)["eager"]["losses"] != bf16
