@@ -447,15 +447,16 @@ def main() -> int:
     p.add_argument("--cases", default=DEFAULT_CASES, help="WRAPPER/RECIPE,...")
     p.add_argument("--resume", action="store_true", help="the checkpoint resume check")
     p.add_argument("--no-state", action="store_true", help="skip the DelayedScaling state check")
+    p.add_argument("--backend", default="nccl", help="gloo: ranks sharing one GPU (NCCL refuses)")
     args = p.parse_args()
     if args.resume:  # bit-exact resume needs TE's deterministic attention backward
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
         # TE loads DelayedScaling metadata (a pickle in its extra state) only when allowed:
         # the checkpoint here is the one this run wrote.
         os.environ.setdefault("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
-    dist.init_process_group("nccl")
+    dist.init_process_group(args.backend)
     rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     te_compile.patch()
     data = M.synthetic_batches(256, BATCH, SEQ, args.steps, seed=1 + rank)
     results = {"device": torch.cuda.get_device_name(), "world": dist.get_world_size()}
