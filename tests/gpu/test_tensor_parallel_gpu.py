@@ -36,7 +36,10 @@ def run(tmp_path_factory):
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     cmd += [str(ROOT / "examples" / "tensor_parallel.py"), "--out", str(out)]
-    cmd += ["--cases", ",".join(CASES), "--backend", backend]
+    # gloo has no coalesced collectives (TE's blockwise gather) and its group is unusable after
+    # trying one: those cases are not run there
+    cases = [c for c in CASES if backend == "nccl" or not c.endswith("block/sp")]
+    cmd += ["--cases", ",".join(cases), "--backend", backend]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     print(proc.stdout[-6000:], proc.stderr[-6000:])
     path = out / "tensor-parallel.json"
