@@ -29,6 +29,9 @@ FP8_PARAM_TYPES = {
     "fsdp2-fp8/block": "Float8BlockwiseQTensor",
 }
 CASES += list(FP8_PARAM_TYPES)
+# Compiled, refused by name: FSDP2 gathers block-scaled FP8 weights row-wise only for forward
+# (TE's fsdp_pre_all_gather), and the compiled path needs both halves (docs/distributed.md).
+REFUSED_COMPILED = {"fsdp2-fp8/block": "FP8 block-scaled parameter without both row-wise"}
 FP8_WEIGHTS = 2 * 4  # per TransformerLayer: fused QKV, attention projection, fc1, fc2
 LOSS_BOUND = 0.25  # max |compiled - eager| over 50 steps (inductor's fusion, amplified)
 
@@ -60,6 +63,9 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_trains_like_eager(run, case):
     result = run[case]
+    if case in REFUSED_COMPILED:
+        assert REFUSED_COMPILED[case] in result.get("error", ""), result.get("error")
+        return
     assert "error" not in result, result.get("error")
     eager, compiled = result["eager"]["losses"], result["compiled"]["losses"]
     assert compiled[-1] < compiled[0] - 1.0, "compiled run did not learn"
@@ -78,7 +84,7 @@ def test_fsdp2_gathers_fp8_weights_in_fp8(run, case):
     result = run[case]
     quantized = FP8_PARAM_TYPES[case]
     dtypes = {"uint8", "float32"} if quantized == "Float8BlockwiseQTensor" else {"uint8"}
-    for mode in ("eager", "compiled"):
+    for mode in ("eager",) if case in REFUSED_COMPILED else ("eager", "compiled"):
         assert mode in result, result.get("error")
         gathered = result[mode]["fp8_allgather"]
         print(case, mode, gathered)
