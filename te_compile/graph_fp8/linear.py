@@ -127,8 +127,11 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = _quantize(dy2d, cfg, 2)
         else:
-            gq, g_si, g_amax = _quantize_delayed(dy2d, bwd_scale, cfg, 2)
-            _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
+            # Quantize with a copy taken before the update below mutates the scale: read in
+            # place, inductor (torch 2.11) scheduled the fused cast after the update's write
+            # and quantized with the new scale (H100: aot_eager exact, inductor not).
+            scale = torch.ops.te_compile.scale_snapshot(bwd_scale)
+            gq, g_si, g_amax = _quantize_delayed(dy2d, scale, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, cfg.split_acc[1])
@@ -139,6 +142,8 @@ class _LinearFunction(torch.autograd.Function):
             )
         if ctx.has_bias and ctx.needs_input_grad[2]:
             dbias = dy2d.sum(dim=0)
+        if bwd_scale is not None:
+            _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
         return dx, dw, dbias, None, None, None, None
 
 

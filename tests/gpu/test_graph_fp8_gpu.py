@@ -281,10 +281,15 @@ def test_linear_training_graph_path_vs_te_kernels(bias, recipe):
     # FP8 really happened: bf16 TE gives another first loss.
     assert all(torch.isfinite(v) for v in losses)
     names = ["x"] + [f"p{i}" for i in range(len(grads[-1]) - 1)]
+    # With bias, the parameters are (weight, bias) per layer: dbias is summed in the graph, in
+    # another order than TE's fused bgrad (documented), so biases compare within bf16 rounding.
+    dbias = {f"p{i}" for i in range(1, 6, 2)} if bias else set()
     report = []
     for step, (ours, ref) in enumerate(zip(grads, ref_grads, strict=True)):
         for name, a, b in zip(names, ours, ref, strict=False):  # the last step adds state
-            if not torch.equal(a, b):
+            if name in dbias:
+                torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)
+            elif not torch.equal(a, b):
                 rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
                 report.append(f"step {step} {name}: rel diff {rel:.2e}")
     assert torch.equal(torch.stack(losses), torch.stack(ref_losses)) and not report, (
