@@ -183,7 +183,9 @@ def _check_weight(name: str, w, cfg: QuantConfig) -> None:
             raise gemm_common.unsupported(
                 name,
                 "an FP8 block-scaled parameter without both row-wise and column-wise data",
-                "create the parameters with grad enabled (both usages)",
+                "create the parameters with grad enabled (both usages); under FSDP2, which "
+                "gathers them row-wise only for forward, keep this recipe's weights in "
+                "high precision",
             )
 
 
