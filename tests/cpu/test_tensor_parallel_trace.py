@@ -135,3 +135,22 @@ def test_tp_traces_whole_with_specs(traces, rank, kind, recipe, sp):
     if kind in ("linear", "layernorm_linear"):  # the column-parallel GEMM's output
         assert case["inner"] == [SEQ, BATCH, FFN // WORLD]
     assert case["y"] == [rows, BATCH, H] and case["x_grad"] == [rows, BATCH, H]
+
+
+def test_parallel_spec_round_trips_and_gives_tes_shapes():
+    """The key an op carries decodes to the same spec; first dimensions follow TE's gathers
+    (column, sequence parallel: forward output x size, dgrad / size) and reductions (row:
+    the reverse); without sequence parallelism they do not change."""
+    from te_compile.kernels.tensor_parallel import decode_pair
+    from te_compile.spec import ParallelSpec
+
+    column = ParallelSpec(mode="column", sequence=True, group="7", size=2)
+    assert ParallelSpec.from_key(column.key) == column
+    assert column.leading(8, forward=True) == 16 and column.leading(16, forward=False) == 8
+    fc1, fc2 = decode_pair(column.key)
+    assert fc1 == column and (fc2.mode, fc2.group, fc2.size) == ("row", "7", 2)
+    assert fc2.leading(16, forward=True) == 8 and fc2.leading(8, forward=False) == 16
+    assert column.gathers_input and fc2.gathers_grad and not fc2.gathers_input
+    plain = ParallelSpec(mode="row", sequence=False, group="7", size=2)
+    assert plain.leading(8, forward=True) == 8 and not plain.gathers_grad
+    assert decode_pair("") == (None, None)
