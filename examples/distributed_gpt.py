@@ -158,21 +158,7 @@ def build_fp8(recipe, compiled: bool):
         enabled=True, recipe=recipe, preserve_high_precision_init_val=True
     ):
         gpt.layers = torch.nn.ModuleList(
-            te.TransformerLayer(
-                c.hidden_size,
-                c.ffn_hidden_size,
-                c.num_heads,
-                hidden_dropout=c.hidden_dropout,
-                attention_dropout=c.attention_dropout,
-                self_attn_mask_type="causal",
-                normalization=c.normalization,
-                activation="gelu",
-                layer_number=i + 1,
-                params_dtype=c.dtype,
-                fuse_qkv_params=True,
-                device="meta",
-            )
-            for i in range(c.num_layers)
+            M.gpt_layer(c, i, fuse_qkv_params=True, device="meta") for i in range(c.num_layers)
         )
     for layer in gpt.layers:
         fully_shard(layer)

@@ -100,6 +100,23 @@ def _layers(layers: torch.nn.ModuleList, how: str) -> torch.nn.ModuleList:
     return torch.nn.ModuleList(Checkpointed(layer, how) for layer in layers)
 
 
+def gpt_layer(c: GPTConfig, i: int, **kwargs) -> te.TransformerLayer:
+    """The GPT's layer `i` (`kwargs`: more TransformerLayer arguments)."""
+    return te.TransformerLayer(
+        c.hidden_size,
+        c.ffn_hidden_size,
+        c.num_heads,
+        hidden_dropout=c.hidden_dropout,
+        attention_dropout=c.attention_dropout,
+        self_attn_mask_type="causal",
+        normalization=c.normalization,
+        activation="gelu",
+        layer_number=i + 1,
+        params_dtype=c.dtype,
+        **kwargs,
+    )
+
+
 class GPT(torch.nn.Module):
     def __init__(self, config: GPTConfig | None = None):
         super().__init__()
@@ -112,21 +129,7 @@ class GPT(torch.nn.Module):
         else:
             table = _rope_table(c.hidden_size // c.num_heads, c.max_seq_len, 10000.0)
             self.register_buffer("rope", table, persistent=False)
-        self.layers = torch.nn.ModuleList(
-            te.TransformerLayer(
-                c.hidden_size,
-                c.ffn_hidden_size,
-                c.num_heads,
-                hidden_dropout=c.hidden_dropout,
-                attention_dropout=c.attention_dropout,
-                self_attn_mask_type="causal",
-                normalization=c.normalization,
-                activation="gelu",
-                layer_number=i + 1,
-                params_dtype=c.dtype,
-            )
-            for i in range(c.num_layers)
-        )
+        self.layers = torch.nn.ModuleList(gpt_layer(c, i) for i in range(c.num_layers))
         self.layers = _layers(self.layers, c.checkpoint)
         norm = te.LayerNorm if c.normalization == "LayerNorm" else te.RMSNorm
         self.final_norm = norm(c.hidden_size, params_dtype=c.dtype)
