@@ -1,13 +1,19 @@
-"""CPU cost of one fwd+bwd training step of a te.Linear stack: issue time and a cProfile.
+"""CPU cost of one fwd+bwd training step of a TE stack: issue time, a cProfile, and where the
+GPU time goes.
 
-    python bench/profile_step.py [--hidden 1024] [--tokens 1024] [--layers 4]
-                                 [--recipes bf16,current,block,delayed] [--out DIR]
+    python bench/profile_step.py [--stack te] [--hidden 1024] [--tokens 1024] [--layers 4]
+                                 [--batch 0] [--recipes bf16,current,block,delayed] [--out DIR]
+
+`--stack`: a TE stack of bench/stacks.py (te, te-lnlinear, te-lnmlp, te-transformer);
+`--batch B` > 0 makes the input [tokens, B, hidden] (sequence first), else [tokens, hidden].
 
 Per recipe and mode (eager TE, compiled default mode): the median CPU time to issue one step
 with the GPU idle at its start (synchronize, then time the Python call; the GPU work is not
 waited for), and a cProfile of 20 steps whose top functions by own time go to
 DIR/profile-<recipe>-<mode>.txt (then by cumulative time), and torch.profiler's table of 10
-steps by own CPU time to DIR/torchprof-<recipe>-<mode>.txt. A table comes last.
+steps by own CPU time to DIR/torchprof-<recipe>-<mode>.txt, then by GPU time (the kernels).
+A table comes last: CPU ms to issue a step, GPU ms of kernels per step, kernel launches per
+step.
 """
 
 from __future__ import annotations
@@ -93,13 +99,20 @@ def torch_profile(step, path: str, n: int = 10) -> None:
         for _ in range(n):
             step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=50)
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=50)
+    gpu_table = averages.table(sort_by="self_device_time_total", row_limit=40)
     with open(path, "w") as f:
-        f.write(f"{n} steps\n{table}\n")
+        f.write(f"{n} steps\n{table}\n\nBy GPU time:\n{gpu_table}\n")
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time for e in kernels) / 1e3 / n
+    return gpu_ms, len(kernels) / n
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--stack", default="te")
+    p.add_argument("--batch", type=int, default=0)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
@@ -113,8 +126,9 @@ def main() -> None:
             torch._dynamo.reset()
             q.FP8GlobalStateManager.reset()
             torch.manual_seed(0)
-            model = build("te", args.hidden, args.layers)
-            x = torch.randn(args.tokens, args.hidden, device="cuda", dtype=torch.bfloat16)
+            model = build(args.stack, args.hidden, args.layers)
+            shape = (args.tokens, args.batch) if args.batch else (args.tokens,)
+            x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
             x.requires_grad_(True)
             grad = torch.randn_like(x)
             step = make_train_step(model, RECIPES[name](), mode == "compile", x, grad)
@@ -122,17 +136,19 @@ def main() -> None:
                 step()
             ms = issue_ms(step)
             profile(step, os.path.join(args.out, f"profile-{name}-{mode}.txt"))
-            torch_profile(step, os.path.join(args.out, f"torchprof-{name}-{mode}.txt"))
-            rows.append((name, mode, ms))
-            print(f"{name:8} {mode:8} issue {ms:.3f} ms", flush=True)
+            path = os.path.join(args.out, f"torchprof-{name}-{mode}.txt")
+            gpu_ms, launches = torch_profile(step, path)
+            rows.append((name, mode, ms, gpu_ms, launches))
+            print(f"{name:8} {mode:8} issue {ms:.3f} ms, GPU {gpu_ms:.3f} ms", flush=True)
     print(
-        f"\nCPU ms to issue one fwd+bwd step, {args.layers} x (te.Linear {args.hidden}->"
-        f"{4 * args.hidden}, GELU, te.Linear), T={args.tokens}, {torch.cuda.get_device_name()}"
+        f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {list(x.shape)}, "
+        f"{torch.cuda.get_device_name()}: CPU ms to issue one fwd+bwd step / GPU ms of its "
+        "kernels / kernel launches"
     )
     print("| recipe | eager TE | compiled |\n|---|---|---|")
     for name in args.recipes.split(","):
-        e, c = (ms for n, m, ms in rows if n == name)
-        print(f"| {name} | {e:.3f} | {c:.3f} |")
+        e, c = (f"{ms:.2f} / {g:.2f} / {k:.0f}" for r, _, ms, g, k in rows if r == name)
+        print(f"| {name} | {e} | {c} |")
 
 
 if __name__ == "__main__":

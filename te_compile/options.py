@@ -1,5 +1,6 @@
-"""Library-wide options, read when dynamo traces. Dynamo guards on them: changing one between
-calls recompiles the compiled functions that read it (the next call traces again).
+"""Library-wide options. `graph_fp8` is read when dynamo traces, which guards on it: changing it
+between calls recompiles the compiled functions that read it (the next call traces again).
+`aten_fp8_gemm` is read by the ops when they run (it changes no graph).
 
     te_compile.configure(graph_fp8=True)
 """
@@ -15,6 +16,9 @@ class Options:
     # apply; TE's own kernels otherwise. Off by default: docs/graph_fp8.md says where the two
     # paths agree bit for bit and where not.
     graph_fp8: bool = False
+    # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
+    # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
+    aten_fp8_gemm: bool = True
 
 
 _current = Options()

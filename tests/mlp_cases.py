@@ -83,7 +83,6 @@ def bwd_args(fwd: dict) -> dict:
     if m.return_ln and not fp8 and fwd["save_fc1_input"]:  # FC1's input: the returned norm output
         k = (2 if layer_norm else 1) if fwd["save_norm"] else 0
         saved = saved[:k] + [outputs[1].view(-1, HIDDEN)] + saved[k:]
-    scale, history = fwd["bwd_state"] or [None, None]
 
     def detached(name, high_precision_only=False):
         t = fwd[name]
@@ -96,8 +95,7 @@ def bwd_args(fwd: dict) -> dict:
         fc1_weight=detached("fc1_weight", high_precision_only=True),
         fc2_weight=detached("fc2_weight", high_precision_only=True),
         saved=saved,
-        bwd_scale=scale,
-        bwd_history=history,
+        bwd_state=fwd["bwd_state"],
         fc1_main_grad=None,
         fc2_main_grad=None,
         config=fwd["config"],

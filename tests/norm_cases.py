@@ -83,8 +83,6 @@ def lnl_bwd_args(fwd: dict) -> dict:
         from te_compile.kernels.fp8_operands import weight_cache_columnwise
 
         parts = [*parts, *weight_cache_columnwise(fwd["weight_cache"], cfg)]
-    n = len(parts) // 2
-    scale, history = fwd["bwd_state"] or [None, None]
     hp = not cfg.fp8
     b = fwd["bias"]
     return dict(
@@ -97,13 +95,12 @@ def lnl_bwd_args(fwd: dict) -> dict:
         ln_out=ln_out if hp else None,
         weight=fwd["weight"].detach() if hp else None,
         bias=b.detach() if hp and b is not None else None,
-        input_parts=parts[:n],
-        weight_parts=parts[n:],
-        bwd_scale=scale,
-        bwd_history=history,
+        parts=parts,
+        bwd_state=fwd["bwd_state"],
         main_grad=fwd["main_grad"],
         norm=fwd["norm"],
         config=fwd["config"],
+        n_input_parts=len(parts) // 2,
         has_bias=b is not None,
         needs_norm_grads=True,
         needs_wgrad=True,

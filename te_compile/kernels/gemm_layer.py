@@ -361,21 +361,22 @@ def quantize_grad_output(
     return g_fp8, dbias
 
 
-def backward_state(cfg: QuantConfig, bwd_scale, bwd_history):
-    """DelayedScaling's [scale, latest amaxes] of the backward slots (row 0 of the history)."""
-    return [bwd_scale, bwd_history[0]] if cfg.fp8 and bwd_history is not None else None
+def backward_state(cfg: QuantConfig, bwd_state: list):
+    """DelayedScaling's [scale, latest amaxes] of the backward slots (row 0 of the history),
+    from a backward op's `bwd_state` = [scale, amax_history] (empty for other recipes)."""
+    return [bwd_state[0], bwd_state[1][0]] if cfg.fp8 and bwd_state else None
 
 
-def update_backward_state(cfg: QuantConfig, bwd_scale, bwd_history) -> None:
+def update_backward_state(cfg: QuantConfig, bwd_state: list) -> None:
     """DelayedScaling's backward amax/scale update of one module's state (none without it).
     Eager TE updates every registered backward state once, at the end of the first FP8
     module's backward; per (history, scale) pair that is this update at the end of the module's
     own backward (see docs/architecture.md for when the two differ)."""
-    if bwd_history is None:
+    if not bwd_state:
         return
     amax_and_scale_update(
-        [bwd_history],
-        [bwd_scale],
+        [bwd_state[1]],
+        [bwd_state[0]],
         cfg.amax_algo,
         cfg.dtypes[2],
         cfg.margin,

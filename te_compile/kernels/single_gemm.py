@@ -1,12 +1,20 @@
 """What the ops of the one-GEMM modules (te.Linear, LayerNormLinear) share around the GEMM
-layer (gemm_layer.py): the forward op's outputs and their fake twin, the weight gradients."""
+layer (gemm_layer.py): the forward op's outputs and their fake twin, the backward op's GEMMs
+with DelayedScaling's update, the weight gradients."""
 
 from __future__ import annotations
 
 import torch
 
 from ..recipes import QuantConfig
-from .gemm_layer import fake_saved_parts, forward, returns_dbias
+from .gemm_layer import (
+    backward,
+    backward_state,
+    fake_saved_parts,
+    forward,
+    returns_dbias,
+    update_backward_state,
+)
 
 
 def single_forward(
@@ -61,6 +69,23 @@ def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head, tp=None) -> list[
         tp=tp,
     )
     return [out, *head, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
+
+
+def single_backward(grad, cfg: QuantConfig, parts, n_input_parts: int, bwd_state, **kwargs):
+    """`backward` of a one-GEMM op from its `parts` (the input's column-wise half first, then the
+    weight's) and `bwd_state` ([scale, amax_history] or []), then DelayedScaling's backward
+    update of that state; `kwargs` go to `backward` as they are."""
+    result = backward(
+        grad,
+        cfg,
+        input_parts=parts[:n_input_parts],
+        weight_parts=parts[n_input_parts:],
+        state=backward_state(cfg, bwd_state),
+        device_index=grad.device.index,
+        **kwargs,
+    )
+    update_backward_state(cfg, bwd_state)
+    return result
 
 
 def weight_grads(a, has_bias, needs_wgrad, needs_dbias, wgrad, dbias) -> dict:

@@ -92,7 +92,7 @@ def _(a):
     return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept, tp=tp)
 
 
-@op(mutates=("bwd_scale", "bwd_history", "main_grad"))
+@op(mutates=("bwd_state", "main_grad"))
 def layernorm_linear_bwd(
     grad_out: Tensor,
     grad_ln_out: Tensor | None,
@@ -103,13 +103,12 @@ def layernorm_linear_bwd(
     ln_out: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
-    input_parts: list[Tensor],
-    weight_parts: list[Tensor],
-    bwd_scale: Tensor | None,
-    bwd_history: Tensor | None,
+    parts: list[Tensor],
+    bwd_state: list[Tensor],
     main_grad: Tensor | None,
     norm: str,
     config: str,
+    n_input_parts: int,
     has_bias: bool,
     needs_norm_grads: bool,
     needs_wgrad: bool,
@@ -119,29 +118,23 @@ def layernorm_linear_bwd(
     """Gradients of layernorm_linear_fwd, as eager TE's `_LayerNormLinear.backward`: the GEMM
     layer's backward (grad_output quantized with both halves; dgrad reduced over the
     tensor-parallel group), the gradient of a returned norm output added to dgrad, then TE's
-    norm backward."""
+    norm backward. `parts`, `bwd_state`: as linear_bwd's."""
     cfg = QuantConfig.from_key(config)
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    dgrad, wgrad, dbias = gemm_layer.backward(
-        g,
-        cfg,
+    dgrad, wgrad, dbias = single_gemm.single_backward(
+        *(g, cfg, parts, n_input_parts, bwd_state),
         x=ln_out,
         weight=weight,
         bias=bias,
-        input_parts=input_parts,
-        weight_parts=weight_parts,
-        state=gemm_layer.backward_state(cfg, bwd_scale, bwd_history),
         main_grad=main_grad,
         out_dtype=inp.dtype,
         has_bias=has_bias,
         needs_dgrad=needs_norm_grads,
         needs_wgrad=needs_wgrad,
         accumulate=accumulate,
-        device_index=grad_out.device.index,
         grad_columnwise=True,
         tp=tensor_parallel.decode(parallel),
     )
-    gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
     dx = dgamma = dbeta = None
     if needs_norm_grads:
         if grad_ln_out is not None:
@@ -207,31 +200,14 @@ def _backward(ctx, grads):
     if grad_out is None or not (needs_norm_grads or needs_wgrad or needs_dbias):
         return {}
     a = ctx.a
-    inp, mu, rsigma, ln_weight, ln_out, weight, bias, *parts = ctx.saved_tensors
-    n = ctx.n_input_parts
-    bwd_scale, bwd_history = a.bwd_state or [None, None]
+    saved = ctx.saved_tensors  # inp, mu, rsigma, ln_weight, ln_out, weight, bias, *parts
     dx, dgamma, dbeta, wgrad, dbias = layernorm_linear_bwd(
-        grad_out=grad_out,
-        grad_ln_out=grads[3] if a.return_ln_out else None,  # [out, mu, rsigma, ln_out, ...]
-        inp=inp,
-        mu=mu,
-        rsigma=rsigma,
-        ln_weight=ln_weight,
-        ln_out=ln_out,
-        weight=weight,
-        bias=bias,
-        input_parts=parts[:n],
-        weight_parts=parts[n:],
-        bwd_scale=bwd_scale,
-        bwd_history=bwd_history,
-        main_grad=a.main_grad,
-        norm=a.norm,
-        config=a.config,
-        has_bias=ctx.has_bias,
-        needs_norm_grads=needs_norm_grads,
-        needs_wgrad=needs_wgrad,
-        accumulate=a.accumulate,
-        parallel=a.parallel,
+        grad_out,
+        grads[3] if a.return_ln_out else None,  # [out, mu, rsigma, ln_out, ...]
+        *saved[:7],
+        list(saved[7:]),
+        *(a.bwd_state, a.main_grad, a.norm, a.config, ctx.n_input_parts, ctx.has_bias),
+        *(needs_norm_grads, needs_wgrad, a.accumulate, a.parallel),
     )
     return {
         "inp": dx if needs[0] else None,

@@ -190,7 +190,7 @@ def _(a):
 # ---- backward ----------------------------------------------------------------------------------
 
 
-@op(mutates=("bwd_scale", "bwd_history", "fc1_main_grad", "fc2_main_grad"))
+@op(mutates=("bwd_state", "fc1_main_grad", "fc2_main_grad"))
 def layernorm_mlp_bwd(
     grad_out: Tensor,
     grad_ln_out: Tensor | None,
@@ -201,8 +201,7 @@ def layernorm_mlp_bwd(
     fc2_weight: Tensor | None,
     fc2_bias: Tensor | None,
     saved: list[Tensor],
-    bwd_scale: Tensor | None,
-    bwd_history: Tensor | None,
+    bwd_state: list[Tensor],
     fc1_main_grad: Tensor | None,
     fc2_main_grad: Tensor | None,
     config: str,
@@ -225,7 +224,7 @@ def layernorm_mlp_bwd(
     parameters (FC1 dgrad and the norm backward run). `saved` holds every group of the forward's
     save flags (layernorm_mlp_layout.py). Weights are passed without FP8 only (FP8 operands come
     from `saved`); biases always (their presence decides TE's dbias work). DelayedScaling:
-    `bwd_scale`/`bwd_history` are TE's backward state, updated at the end."""
+    `bwd_state` = [scale, amax_history] of TE's backward slots, updated at the end."""
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
     dev = grad_out.device.index
     hidden = grad_out.shape[-1]
@@ -235,7 +234,7 @@ def layernorm_mlp_bwd(
     g = grad_out.reshape(-1, hidden)
     if not g.is_contiguous():
         g = g.contiguous()
-    state = gemm_layer.backward_state(cfg, bwd_scale, bwd_history)
+    state = gemm_layer.backward_state(cfg, bwd_state)
     tps = tensor_parallel.decode_pair(parallel)
 
     def hp(name):  # a high-precision saved operand (no FP8)
@@ -311,7 +310,7 @@ def layernorm_mlp_bwd(
             mu = s["mu"][0] if s["mu"] else None
             dx, dgamma, dbeta = tex_norm_bwd(dz, x, mu, s["rsigma"][0], gamma, n)
             dx = dx.view(grad_out.shape)
-    gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
+    gemm_layer.update_backward_state(cfg, bwd_state)
     return envelope.results(
         grad_out, out_dtype, dx, dgamma, dbeta, fc1_wgrad, fc1_dbias, fc2_wgrad, fc2_dbias
     )
@@ -359,7 +358,7 @@ def _setup_context(ctx, a, output) -> None:
 # saved groups) and the forward's arguments passed to the backward op unchanged.
 _SAVED_INPUTS = ("inp", "ln_weight", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
 _FROM_FORWARD = (
-    *("fc1_main_grad", "fc2_main_grad", "config", "norm", "mlp", "out_dtype"),
+    *("bwd_state", "fc1_main_grad", "fc2_main_grad", "config", "norm", "mlp", "out_dtype"),
     *layout.SaveFlags._fields,
     "accumulate",
     "parallel",
@@ -373,14 +372,11 @@ def _backward(ctx, grads):
     if grad_out is None or not any(needs):
         return {}
     cfg, n, m = ctx.specs
-    bwd_scale, bwd_history = ctx.a.bwd_state or (None, None)
     call = SimpleNamespace(
         grad_out=grad_out,
         grad_ln_out=grads[1] if m.return_ln else None,
         **dict(zip(_SAVED_INPUTS, ctx.saved_tensors, strict=False)),
         saved=list(ctx.saved_tensors[len(_SAVED_INPUTS) :]),
-        bwd_scale=bwd_scale,
-        bwd_history=bwd_history,
         fc1_features=ctx.fc1_features,
         needs_norm_grads=needs_x or needs_gamma or needs_beta,
         needs_fc1_wgrad=needs_w1,

@@ -100,20 +100,19 @@ def quantize_weight(
 quantize_weight.fake(lambda a: None)
 
 
-@op(mutates=("bwd_scale", "bwd_history", "main_grad"))
+@op(mutates=("bwd_state", "main_grad"))
 def linear_bwd(
     grad_out: Tensor,
     inp: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
-    input_parts: list[Tensor],
-    weight_parts: list[Tensor],
-    bwd_scale: Tensor | None,
-    bwd_history: Tensor | None,
+    parts: list[Tensor],
+    bwd_state: list[Tensor],
     main_grad: Tensor | None,
     config: str,
     out_dtype: torch.dtype,
     in_features: int,
+    n_input_parts: int,
     has_bias: bool,
     needs_dgrad: bool,
     needs_wgrad: bool,
@@ -121,30 +120,27 @@ def linear_bwd(
     parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
-    bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and the parts
-    carry the operands. With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
+    bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and `parts`
+    carry the operands: the input's column-wise half (`n_input_parts` tensors), then the
+    weight's. `bwd_state`: DelayedScaling's [scale, amax_history] of the backward slots, updated
+    at the end (empty for other recipes). With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
     it, adding to its contents when `accumulate`, and the returned wgrad is empty."""
     cfg = QuantConfig.from_key(config)
     g = grad_out.reshape(-1, grad_out.shape[-1])
-    dgrad, wgrad, dbias = gemm_layer.backward(
+    dgrad, wgrad, dbias = single_gemm.single_backward(
         g if g.is_contiguous() else g.contiguous(),
-        cfg,
+        *(cfg, parts, n_input_parts, bwd_state),
         x=inp,
         weight=weight,
         bias=bias,
-        input_parts=input_parts,
-        weight_parts=weight_parts,
-        state=gemm_layer.backward_state(cfg, bwd_scale, bwd_history),
         main_grad=main_grad,
         out_dtype=out_dtype,
         has_bias=has_bias,
         needs_dgrad=needs_dgrad,
         needs_wgrad=needs_wgrad,
         accumulate=accumulate,
-        device_index=grad_out.device.index,
         tp=tensor_parallel.decode(parallel),
     )
-    gemm_layer.update_backward_state(cfg, bwd_scale, bwd_history)
     if dgrad is not None:  # (under sequence parallelism its first dimension differs)
         dgrad = dgrad.view([-1, *grad_out.shape[1:-1], in_features])
     return envelope.results(grad_out, out_dtype, dgrad, wgrad, dbias)
@@ -195,19 +191,18 @@ def _backward(ctx, grads):
         return {}
     a = ctx.a
     inp, weight, bias, *parts = ctx.saved_tensors
-    n = ctx.n_input_parts
     dgrad, wgrad, dbias = linear_bwd(
         grad_out,
         inp,
         weight,
         bias,
-        parts[:n],
-        parts[n:],
-        *(a.bwd_state or [None, None]),
+        parts,
+        a.bwd_state,
         a.main_grad,
         a.config,
         a.out_dtype,
         ctx.in_features,
+        ctx.n_input_parts,
         ctx.has_bias,
         needs_dgrad,
         needs_wgrad,

@@ -159,10 +159,9 @@ def test_saved_parts_match_te_allocation(
     # (linear_bwd mutates, so functionalization wraps it: its arguments are kwargs)
     bwd = next(n for gm in rec.bw for n in gm.graph.nodes if "auto_functionalized" in str(n.target))
     assert "linear_bwd" in str(bwd.args[0])
-    inputs, weights = bwd.kwargs["input_parts"], bwd.kwargs["weight_parts"]
-    bwd_parts = [a.meta["val"] for a in inputs + weights]
+    bwd_parts = [a.meta["val"] for a in bwd.kwargs["parts"]]
     assert [(tuple(t.shape), t.dtype) for t in bwd_parts] == want
-    assert len(inputs) == len(want) // 2
+    assert bwd.kwargs["n_input_parts"] == len(want) // 2
 
 
 def test_nvfp4_3d_columnwise_data_is_2d(nvfp4_without_gpu):

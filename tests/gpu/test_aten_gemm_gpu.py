@@ -1,0 +1,99 @@
+"""Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py) against TE's own
+`generic_gemm` on the same TE storages, bit for bit: the three layouts TE's GEMM layers use,
+both accumulation modes, E4M3 and HYBRID (E5M2 gradients), bias, 3-D inputs, current and
+delayed quantizers. The module-level GPU tests (compiled vs eager TE) then run the path in
+training.
+
+    PYTHONPATH=$PWD python3 -m pytest tests/gpu/test_aten_gemm_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [(16, 16, 16), (128, 256, 64), (1008, 768, 2048), (2048, 4096, 1024), (4096, 1024, 4096)]
+
+
+def _quantizer(kind: str, fp8: str):
+    import transformer_engine_torch as tex
+    from transformer_engine.pytorch.tensor.float8_tensor import (
+        Float8CurrentScalingQuantizer,
+        Float8Quantizer,
+    )
+
+    dtype = {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[fp8]
+    dev = torch.device("cuda")
+    if kind == "current":
+        q = Float8CurrentScalingQuantizer(dtype, dev, rowwise=True, columnwise=True)
+    else:  # a DelayedScaling scale that is not a power of two
+        scale = torch.full((1,), 0.37, device=dev)
+        q = Float8Quantizer(scale, torch.zeros(1, device=dev), dtype, rowwise=True, columnwise=True)
+    q.internal = True  # TE storages, as the ops' quantizers return them
+    return q
+
+
+def _both_paths(a, b, layout, **kw):
+    import te_compile
+    from te_compile.kernels import extension
+
+    outs = []
+    for aten in (False, True):
+        te_compile.configure(aten_fp8_gemm=aten)
+        try:
+            outs.append(extension.gemm(a, b, layout=layout, device_index=0, **kw)[0])
+        finally:
+            te_compile.configure(aten_fp8_gemm=True)
+    return outs
+
+
+def _assert_same_bits(ref, ours):
+    assert ref.shape == ours.shape and ref.dtype == ours.dtype
+    diff = (ours.float() - ref.float()).abs().max().item()
+    assert torch.equal(ours.view(torch.int16), ref.view(torch.int16)), f"max |diff| {diff}"
+
+
+@pytest.mark.parametrize("kind", ["current", "delayed"])
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("m,n,k", SHAPES)
+def test_three_gemms_match_te(m, n, k, split, kind):
+    torch.manual_seed(m + n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.05
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16) * 1e-3
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    qx, qw = _quantizer(kind, "e4m3")(x), _quantizer(kind, "e4m3")(w)
+    qdy = _quantizer(kind, "e5m2")(dy)
+    kw = {"out_dtype": torch.bfloat16, "split_accumulator": split}
+    _assert_same_bits(*_both_paths(qw, qx, "TN", bias=bias, **kw))  # fprop
+    _assert_same_bits(*_both_paths(qw, qx, "TN", **kw))
+    _assert_same_bits(*_both_paths(qw, qdy, "NN", **kw))  # dgrad
+    _assert_same_bits(*_both_paths(qx, qdy, "NT", **kw))  # wgrad
+    fp32 = {"out_dtype": torch.float32, "split_accumulator": split}
+    _assert_same_bits_f32(*_both_paths(qx, qdy, "NT", **fp32))
+
+
+def _assert_same_bits_f32(ref, ours):
+    assert ref.shape == ours.shape and ref.dtype == ours.dtype == torch.float32
+    assert torch.equal(ours.view(torch.int32), ref.view(torch.int32))
+
+
+def test_3d_input_keeps_leading_dimensions():
+    x = torch.randn(64, 4, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16)
+    qx, qw = _quantizer("current", "e4m3")(x), _quantizer("current", "e4m3")(w)
+    ref, ours = _both_paths(qw, qx, "TN", out_dtype=torch.bfloat16, split_accumulator=False)
+    assert ours.shape == ref.shape
+    _assert_same_bits(ref, ours)
+
+
+def test_falls_back_where_it_does_not_apply():
+    from te_compile.kernels.aten_gemm import scaled_mm
+
+    x = torch.randn(64, 40, device="cuda", dtype=torch.bfloat16)  # K not a multiple of 16
+    w = torch.randn(32, 40, device="cuda", dtype=torch.bfloat16)
+    qx, qw = _quantizer("current", "e4m3")(x), _quantizer("current", "e4m3")(w)
+    assert scaled_mm(qw, qx, "TN", torch.bfloat16, False, None) is None
+    assert scaled_mm(w, x, "TN", torch.bfloat16, False, None) is None  # not FP8
