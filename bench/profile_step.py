@@ -6,6 +6,8 @@ GPU time goes.
 
 `--stack`: a TE stack of bench/stacks.py (te, te-lnlinear, te-lnmlp, te-transformer);
 `--batch B` > 0 makes the input [tokens, B, hidden] (sequence first), else [tokens, hidden].
+`--off aten_fp8_gemm,graph_weight_quantize` turns te_compile options off (te_compile.configure),
+to measure what each saves.
 
 Per recipe and mode (eager TE, compiled default mode): the median CPU time to issue one step
 with the GPU idle at its start (synchronize, then time the Python call; the GPU work is not
@@ -118,8 +120,11 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--off", default="", help="te_compile options to turn off, comma-separated")
     args = p.parse_args()
     te_compile.patch()
+    off = [name for name in args.off.split(",") if name]
+    te_compile.configure(**dict.fromkeys(off, False))
     rows = []
     for name in args.recipes.split(","):
         for mode in ("eager", "compile"):
@@ -142,8 +147,8 @@ def main() -> None:
             print(f"{name:8} {mode:8} issue {ms:.3f} ms, GPU {gpu_ms:.3f} ms", flush=True)
     print(
         f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {list(x.shape)}, "
-        f"{torch.cuda.get_device_name()}: CPU ms to issue one fwd+bwd step / GPU ms of its "
-        "kernels / kernel launches"
+        f"{torch.cuda.get_device_name()}, options off: {off or 'none'}: CPU ms to issue one "
+        "fwd+bwd step / GPU ms of its kernels / kernel launches"
     )
     print("| recipe | eager TE | compiled |\n|---|---|---|")
     for name in args.recipes.split(","):

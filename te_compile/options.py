@@ -19,6 +19,9 @@ class Options:
     # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
     aten_fp8_gemm: bool = True
+    # Float8CurrentScaling GEMM weights quantized by graph operations inductor fuses
+    # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
+    graph_weight_quantize: bool = True
 
 
 _current = Options()

@@ -50,9 +50,7 @@ def bwd_args(fwd: tuple) -> tuple:
         out, *parts = torch.ops.te_compile.linear_fwd(*fwd)
     if fwd_state:
         parts = parts[:-1]  # the returned forward amaxes
-    n = len(parts) // 2
     fp8 = QuantConfig.from_key(config).fp8
-    scale, history = bwd_state or [None, None]
 
     def saved(t):  # without FP8 the forward inputs are what backward reads
         return None if fp8 or t is None else t.detach()
@@ -62,14 +60,13 @@ def bwd_args(fwd: tuple) -> tuple:
         saved(x),
         saved(w),
         saved(b),
-        parts[:n],
-        parts[n:],
-        scale,
-        history,
+        parts,
+        bwd_state,
         main_grad,
         config,
         torch.bfloat16,
         IN,
+        len(parts) // 2,  # n_input_parts
         b is not None,
         True,
         True,

@@ -43,6 +43,7 @@ import weakref
 
 import torch
 
+from ..graph_fp8 import weight as graph_weight
 from ..kernels.te_dtypes import te_fp8_dtype
 from ..patching import Swap
 from ..recipes import QuantConfig
@@ -232,13 +233,16 @@ def gemm_weight(
 ):
     """(the op's weight argument, its weight_cache list) for GEMM weight `name`: an FP8
     parameter's carrier and parts; otherwise the weight and, for FP8 weight caching
-    (is_first_microbatch), its cache (gemm_common.cached_weight), else []. Eager TE keeps no
+    (is_first_microbatch), its cache (gemm_common.cached_weight), else a current-scaling
+    weight's FP8 parts computed in the graph (graph_fp8/weight.py), else []. Eager TE keeps no
     workspace for an FP8 parameter either."""
     if gemm_common.is_quantized(weight):
         return operands(weight, cfg, persistent_state.is_prepared(m))
     if cfg.fp8 and is_first_microbatch is not None:
         refresh = bool(is_first_microbatch)
         return weight, gemm_common.cached_weight(m, name, weight, cfg, fwd_state, refresh, gemm)
+    if graph_weight.applies(m, weight, cfg):
+        return weight, graph_weight.current_weight_parts(weight, cfg)
     return weight, []
 
 
