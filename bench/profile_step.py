@@ -120,6 +120,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
+    p.add_argument("--modes", default="eager,compile")
     p.add_argument("--off", default="", help="te_compile options to turn off, comma-separated")
     args = p.parse_args()
     te_compile.patch()
@@ -127,7 +128,7 @@ def main() -> None:
     te_compile.configure(**dict.fromkeys(off, False))
     rows = []
     for name in args.recipes.split(","):
-        for mode in ("eager", "compile"):
+        for mode in args.modes.split(","):
             torch._dynamo.reset()
             q.FP8GlobalStateManager.reset()
             torch.manual_seed(0)
@@ -150,10 +151,11 @@ def main() -> None:
         f"{torch.cuda.get_device_name()}, options off: {off or 'none'}: CPU ms to issue one "
         "fwd+bwd step / GPU ms of its kernels / kernel launches"
     )
-    print("| recipe | eager TE | compiled |\n|---|---|---|")
+    modes = args.modes.split(",")
+    print(f"| recipe | {' | '.join(modes)} |\n|---|{'---|' * len(modes)}")
     for name in args.recipes.split(","):
-        e, c = (f"{ms:.2f} / {g:.2f} / {k:.0f}" for r, _, ms, g, k in rows if r == name)
-        print(f"| {name} | {e} | {c} |")
+        cells = (f"{ms:.2f} / {g:.2f} / {k:.0f}" for r, _, ms, g, k in rows if r == name)
+        print(f"| {name} | {' | '.join(cells)} |")
 
 
 if __name__ == "__main__":
