@@ -13,7 +13,8 @@ Norm families, each block a residual-free pair of TE modules (eager TE or te_com
 - "te-lnmlp":    te.LayerNormMLP(H, 4H, gelu): LayerNorm, FC1, GELU, FC2 in one module
 
 Transformer blocks (pre-norm: LayerNorm, causal self-attention, residual, LayerNorm, MLP
-H->4H->H with GELU, residual; no dropout; heads of 128 channels), input [seq, batch, hidden]
+H->4H->H with GELU, residual; no dropout; heads of HEAD_DIM channels, 128 unless the caller
+sets it), input [seq, batch, hidden]
 (a 2-D [tokens, hidden] input runs as one sequence of batch 1):
 
 - "te-transformer":      te.TransformerLayer (fused QKV weight, TE's default attention backend)
@@ -92,8 +93,11 @@ def _torchao_stack(scaling: str):
     return build
 
 
+HEAD_DIM = 128  # channels per attention head (bench/suite.py --head-dim sets it)
+
+
 def _heads(hidden: int) -> int:
-    return max(1, hidden // 128)
+    return max(1, hidden // HEAD_DIM)
 
 
 class SequenceFirst(torch.nn.Module):

@@ -21,6 +21,7 @@ rewritten after every cell, so a run cut short keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import importlib.metadata
@@ -39,14 +40,21 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import stacks as stack_builders  # noqa: E402
 from stacks import BUILDERS, build  # noqa: E402
 
 MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
-# Opt-in variants, run when named in --recipes: "<recipe>-graph" is that recipe with
-# te_compile.configure(graph_fp8=True) (FP8 quantization and GEMMs as graph ops).
-EXTRA_RECIPES = ("current-graph", "delayed-graph")
+# Variants, run when named in --recipes as "<recipe>-<variant>": that recipe with these
+# te_compile options (the rest at their defaults). "graph": FP8 quantization and GEMMs as graph
+# ops (opt-in); "tecalls": every quantization and GEMM through TE's extension, as before the
+# aten GEMM and the graph-quantized weights (what those two save).
+VARIANTS = {
+    "graph": {"graph_fp8": True},
+    "tecalls": {"aten_fp8_gemm": False, "graph_weight_quantize": False},
+}
+EXTRA_RECIPES = ("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls")
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
 # TE stacks compared against peers built on the same block (their ms / ours in the ratios).
 PEERS = {
@@ -83,6 +91,12 @@ def first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
+def base_recipe(name: str) -> str:
+    """The TE recipe of a recipe name, its variant suffix (VARIANTS) removed."""
+    base, _, variant = name.partition("-")
+    return base if variant in VARIANTS else name
+
+
 def make_recipe(name: str):
     """(recipe object, or None for bf16; TE's reason this GPU can't run it, or None)."""
     from transformer_engine.common import recipe as R
@@ -90,7 +104,7 @@ def make_recipe(name: str):
 
     if name == "bf16":
         return None, None
-    name = name.removesuffix("-graph")
+    name = base_recipe(name)
     factory, check = {
         "current": (R.Float8CurrentScaling, q.check_fp8_support),
         "block": (R.Float8BlockScaling, q.check_fp8_block_scaling_support),
@@ -105,7 +119,8 @@ def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
     if te_recipe is not None:
         import te_compile
 
-        te_compile.configure(graph_fp8=te_recipe.endswith("-graph"))
+        variant = VARIANTS.get(te_recipe.partition("-")[2], {})
+        te_compile.configure(**{**dataclasses.asdict(te_compile.options.Options()), **variant})
         import transformer_engine.pytorch as te
 
         def forward(inp):  # autocast inside the compiled function, as a training loop has it
@@ -184,7 +199,7 @@ def run_cell(stack, te_recipe, mode, shape: str, warmup: int, steps: int) -> dic
         recipe, unsupported = make_recipe(te_recipe) if te_recipe else (None, None)
         if unsupported:
             return {**cell, "status": "skipped", "reason": unsupported}
-        if mode == "eager" and (te_recipe or "").endswith("-graph"):  # eager TE ignores it
+        if mode == "eager" and te_recipe and base_recipe(te_recipe) != te_recipe:  # TE's own
             return {**cell, "status": "skipped", "reason": "eager: the recipe's own eager row"}
         reset_state()
         torch.manual_seed(0)
@@ -277,10 +292,8 @@ def compute_ratios(results: dict) -> list[dict]:
         for stack, recipe in [(s, r) for s, r in rows if uses_te_recipes(s)]:
             ours = {m: ms_of(cells, shape, stack, recipe, m) for m in results["modes"]}
             prefix = "" if stack == REFERENCE else f"{stack}: "
-            # a "-graph" variant has no eager run of its own: eager TE is the recipe's
-            eager = ours.get("eager") or ms_of(
-                cells, shape, stack, recipe.removesuffix("-graph"), "eager"
-            )
+            # a variant has no eager run of its own: eager TE is the recipe's
+            eager = ours.get("eager") or ms_of(cells, shape, stack, base_recipe(recipe), "eager")
             pairs = [(vs_eager(stack, m), eager, ours[m]) for m in compiled]
             for other in [o for o in PEERS.get(stack, ()) if o in others]:
                 theirs = {m: ms_of(cells, shape, other, None, m) for m in compiled}
@@ -473,6 +486,7 @@ def parse_args() -> argparse.Namespace:
     json_default = os.path.join(out, "bench.json") if out else "/tmp/te-compile-bench.json"
     p.add_argument("--json", default=json_default, help="results file (default %(default)s)")
     p.add_argument("--plots", help="folder for the PNGs (default: the JSON's folder)")
+    p.add_argument("--head-dim", type=int, default=128, help="attention head size (transformers)")
     p.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.warmup = (2 if args.quick else 5) if args.warmup is None else args.warmup
@@ -496,10 +510,12 @@ def main() -> None:
     import te_compile
 
     te_compile.patch()
+    stack_builders.HEAD_DIM = args.head_dim
     modes = [m for m in MODES if m in args.modes.split(",")]
     stacks, skipped = usable_stacks(args.stacks.split(","))
     shapes = args.shapes.split(",")
     results = dict(meta=versions(), argv=sys.argv[1:], warmup=args.warmup, steps=args.steps)
+    results["head_dim"] = args.head_dim
     results.update(shapes=shapes, modes=modes, stacks=stacks, skipped_stacks=skipped, cells=[])
     plan = [
         (shape, stack, recipe, mode)
