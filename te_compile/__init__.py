@@ -35,13 +35,18 @@ def patch() -> None:
     if _PATCHER.active:
         return
     check_versions()
-    from . import autocast, inline_recipes, modules
+    from . import autocast, cache_key, inline_recipes, modules
 
     _PATCHER.apply(autocast.swaps() + inline_recipes.swaps() + modules.swaps())
+    cache_key.add()  # compiled code cached by another te_compile is not reused
 
 
 def unpatch() -> None:
     """Restore every TE attribute that patch() replaced. A no-op when not patched."""
+    from . import cache_key
+
+    if _PATCHER.active:
+        cache_key.remove()
     _PATCHER.revert()
 
 

@@ -7,10 +7,19 @@ from ..patching import Swap
 
 
 def swaps() -> list[Swap]:
-    from . import attention, checkpointing, layernorm, layernorm_linear, layernorm_mlp, linear
+    from . import (
+        attention,
+        checkpointing,
+        layernorm,
+        layernorm_linear,
+        layernorm_mlp,
+        linear,
+        persistent_state,
+    )
 
     return (
-        linear.swaps()
+        persistent_state.swaps()
+        + linear.swaps()
         + layernorm.swaps()
         + layernorm_linear.swaps()
         + layernorm_mlp.swaps()

@@ -9,8 +9,14 @@ the real tensors as graph inputs and the ops mutate them in place.
 Regional compilation (one `torch.compile` per transformer block, as torchtitan does) reuses one
 graph for N identical blocks only if nothing in the trace names a module instance. So these
 functions take no module: the first trace creates the state of every live TE GEMM module
-(te.Linear, te.LayerNormLinear, te.LayerNormMLP) that needs it (`ensure_*`), found by a scan of the garbage collector's objects, and the traced code then
-only checks a plain attribute whose value is the same in every block. A module whose
+(te.Linear, te.LayerNormLinear, te.LayerNormMLP) that needs it (`ensure_*`), and the traced
+code then only checks a plain attribute whose value is the same in every block. The live
+modules are a registry (`_LIVE`, weak references in construction order): while patched, the
+classes' `__init__` adds each new instance (`swaps`; TE's own `__init__` runs unchanged), and
+modules made before patch() are found by one scan of the garbage collector's objects, at the
+first trace after each patch(). Order matters across ranks: TE's fused update concatenates
+the amaxes of every registered module, and an amax reduction over ranks needs the same order
+on each, which construction order gives. A module whose
 DelayedScaling state was made for another recipe is the one case handled per instance
 (`reinit_delayed_state`); changing a recipe costs a recompile anyway.
 
@@ -21,18 +27,21 @@ State: prepared or discovered. `te_compile.prepare(model, recipe)` (prepare.py) 
 state of a model's modules before compiling (`prepare_module`, the scan's per-module rules) and
 registers them (`_PREPARED`, marked with PREPARED_ATTR, a plain True: the same in every block).
 The traced code passes that mark to the `ensure_*` functions, which then cover the prepared
-modules only, the traced one among them, without scanning; for a module not prepared they scan
-as before (the fallback). `scans()` counts the scans (tests).
+modules only, the traced one among them; for a module not prepared they read the registry
+(the fallback). `scans()` counts the scans of the garbage collector (tests).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import itertools
 import weakref
 
 import torch
 
 from ..kernels.fp8_operands import weight_cache_specs
+from ..patching import Swap
 from ..recipes import DelayedFields, QuantConfig
 
 # Module attributes (plain values, so guards compare values, not identities).
@@ -42,6 +51,10 @@ PREPARED_ATTR = "_te_compile_prepared"  # True on the modules te_compile.prepare
 
 _PREPARED: weakref.WeakSet = weakref.WeakSet()  # the modules te_compile.prepare() registered
 _SCANS = [0]  # scans of the garbage collector's objects so far
+# Every live TE GEMM module te_compile knows of, keyed by registration order (see the docstring).
+_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_ORDER = itertools.count()
+_SCANNED = [False]  # whether the modules made before this patch() were added
 
 
 def _module_classes() -> tuple:
@@ -53,12 +66,38 @@ def _module_classes() -> tuple:
     return Linear, LayerNormLinear, LayerNormMLP
 
 
+def _track(module) -> None:
+    if not any(m is module for m in _LIVE.values()):
+        _LIVE[next(_ORDER)] = module
+
+
 def _live_modules() -> list:
-    _SCANS[0] += 1
-    classes = _module_classes()
-    # issubclass(type(obj)) rather than isinstance(obj): isinstance reads obj.__class__, which
-    # raises on a dead weakref proxy and warns on torch.distributed's deprecated reduce_op.
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), classes)]
+    """The live TE GEMM modules, in registration order."""
+    if not _SCANNED[0]:  # those made before patch(): one scan
+        _SCANS[0] += 1
+        classes = _module_classes()
+        # issubclass(type(obj)) rather than isinstance(obj): isinstance reads obj.__class__,
+        # which raises on a dead weakref proxy and warns on torch.distributed's reduce_op.
+        for obj in [obj for obj in gc.get_objects() if issubclass(type(obj), classes)]:
+            _track(obj)
+        _SCANNED[0] = True
+    return list(_LIVE.values())
+
+
+def _tracking_init(original):
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _track(self)
+
+    return __init__
+
+
+def swaps() -> list[Swap]:
+    """The TE GEMM classes' `__init__`, registering each new instance. Modules made while
+    unpatched are not registered: the next trace scans for them once."""
+    _SCANNED[0] = False
+    return [Swap(c, "__init__", _tracking_init(vars(c)["__init__"])) for c in _module_classes()]
 
 
 def scans() -> int:
