@@ -48,13 +48,17 @@ COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
 # Variants, run when named in --recipes as "<recipe>-<variant>": that recipe with these
 # te_compile options (the rest at their defaults). "graph": FP8 quantization and GEMMs as graph
-# ops (opt-in); "tecalls": every quantization and GEMM through TE's extension, as before the
-# aten GEMM and the graph-quantized weights (what those two save).
+# ops (opt-in); "tecalls": every GEMM through TE's extension (no aten scaled GEMM);
+# "graphweights": current-scaling weights quantized in the graph (opt-in).
 VARIANTS = {
     "graph": {"graph_fp8": True},
-    "tecalls": {"aten_fp8_gemm": False, "graph_weight_quantize": False},
+    "tecalls": {"aten_fp8_gemm": False},
+    "graphweights": {"graph_weight_quantize": True},
 }
-EXTRA_RECIPES = ("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls")
+EXTRA_RECIPES = (
+    *("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls"),
+    "current-graphweights",
+)
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
 # TE stacks compared against peers built on the same block (their ms / ours in the ratios).
 PEERS = {

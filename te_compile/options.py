@@ -21,7 +21,8 @@ class Options:
     aten_fp8_gemm: bool = True
     # Float8CurrentScaling GEMM weights quantized by graph operations inductor fuses
     # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
-    graph_weight_quantize: bool = True
+    # Off by default: measured no faster (docs/performance.md, session 11).
+    graph_weight_quantize: bool = False
 
 
 _current = Options()

@@ -1,5 +1,6 @@
-"""Float8CurrentScaling GEMM weights quantized in the graph (graph_fp8/weight.py) on the default
-TE-kernel path: the forward ops receive the weight's FP8 parts ([data, transpose, scale_inv])
+"""Float8CurrentScaling GEMM weights quantized in the graph (graph_fp8/weight.py, the opt-in
+`te_compile.configure(graph_weight_quantize=True)`) on the TE-kernel path: the forward ops
+receive the weight's FP8 parts ([data, transpose, scale_inv])
 computed by aten ops, for te.Linear, LayerNormLinear and both LayerNormMLP GEMMs; other recipes,
 and the option turned off, leave weight quantization to the ops (TE's quantize). Bit-for-bit
 agreement with TE's quantizer: tests/gpu/test_graph_fp8_gpu.py; in training: the GPU module
@@ -23,6 +24,13 @@ MODULES = {
 }
 CACHES = {"linear": ("weight_cache",), "layernorm_linear": ("weight_cache",)}
 CACHES["layernorm_mlp"] = ("fc1_cache", "fc2_cache")
+
+
+@pytest.fixture(autouse=True)
+def graph_weights():
+    te_compile.configure(graph_weight_quantize=True)
+    yield
+    te_compile.configure(graph_weight_quantize=False)
 
 
 def _forward_op(name, recipe, *, grad=True):
@@ -71,8 +79,5 @@ def test_other_recipes_quantize_in_the_op(recipe, patched, graph_breaks):
 
 def test_option_off_quantizes_in_the_op(patched, graph_breaks):
     te_compile.configure(graph_weight_quantize=False)
-    try:
-        _, args = _forward_op("linear", R.Float8CurrentScaling())
-    finally:
-        te_compile.configure(graph_weight_quantize=True)
+    _, args = _forward_op("linear", R.Float8CurrentScaling())
     assert args["weight_cache"] == []
