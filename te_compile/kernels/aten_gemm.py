@@ -46,15 +46,16 @@ def _matrix(t, half: str, fp8_dtype) -> torch.Tensor:
 
 def scaled_mm(a, b, layout: str, out_dtype: torch.dtype, split_accumulator: bool, bias):
     """TE's `generic_gemm(a, b, layout)` for two per-tensor FP8 storages, or None where this
-    path does not apply (other operands, a half missing, dimensions not multiples of 16, a
-    bias of another dtype than the output): the caller then runs TE's GEMM."""
+    path does not apply (other operands, a half missing or not contiguous, dimensions not
+    multiples of 16, a bias of another dtype than the output): the caller then runs TE's GEMM."""
     storage = _te()[0]
     if not (isinstance(a, storage) and isinstance(b, storage)):
         return None
     if bias is not None and bias.dtype != out_dtype:
         return None
     b_half, a_half = _HALVES[layout]
-    if getattr(b, b_half) is None or getattr(a, a_half) is None:
+    halves = (getattr(b, b_half), getattr(a, a_half))
+    if any(h is None or not h.is_contiguous() for h in halves):
         return None
     mat1 = _matrix(b, b_half, b._fp8_dtype)
     mat2 = _matrix(a, a_half, a._fp8_dtype).t()
