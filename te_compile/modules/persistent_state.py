@@ -12,7 +12,8 @@ functions take no module: the first trace creates the state of every live TE GEM
 (te.Linear, te.LayerNormLinear, te.LayerNormMLP) that needs it (`ensure_*`), and the traced
 code then only checks a plain attribute whose value is the same in every block. The live
 modules are a registry (`_LIVE`, weak references in construction order): while patched, the
-classes' `__init__` adds each new instance (`swaps`; TE's own `__init__` runs unchanged), and
+classes' `__init__` and `__setstate__` (copies, unpickling) add each new instance (`swaps`;
+TE's and torch's own methods run unchanged), and
 modules made before patch() are found by one scan of the garbage collector's objects, at the
 first trace after each patch(). Order matters across ranks: TE's fused update concatenates
 the amaxes of every registered module, and an amax reduction over ranks needs the same order
@@ -84,20 +85,27 @@ def _live_modules() -> list:
     return list(_LIVE.values())
 
 
-def _tracking_init(original):
+def _tracking(original):
+    """`original` (a constructor or `__setstate__`), then the instance registered."""
+
     @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
+    def method(self, *args, **kwargs):
         original(self, *args, **kwargs)
         _track(self)
 
-    return __init__
+    return method
 
 
 def swaps() -> list[Swap]:
-    """The TE GEMM classes' `__init__`, registering each new instance. Modules made while
-    unpatched are not registered: the next trace scans for them once."""
+    """The TE GEMM classes' `__init__` and `__setstate__` (what copy.deepcopy and unpickling
+    build an instance with), registering each new instance. Modules made while unpatched are
+    not registered: the next trace scans for them once."""
     _SCANNED[0] = False
-    return [Swap(c, "__init__", _tracking_init(vars(c)["__init__"])) for c in _module_classes()]
+    return [
+        Swap(c, name, _tracking(getattr(c, name)))
+        for c in _module_classes()
+        for name in ("__init__", "__setstate__")
+    ]
 
 
 def scans() -> int:

@@ -92,3 +92,15 @@ def test_cache_key_tag_carries_the_digest_and_keeps_the_users():
     finally:
         te_compile.unpatch()
         torch.compiler.config.cache_key_tag = ""
+
+
+def test_copies_are_registered(patched):
+    import copy
+
+    with te_compile.simulate_gpu("hopper"):
+        m = te.Linear(16, 16)
+    ps._live_modules()
+    scans = ps.scans()
+    for clone in (copy.deepcopy(m), copy.copy(m)):
+        assert any(x is clone for x in ps._live_modules())
+    assert ps.scans() == scans
