@@ -55,6 +55,7 @@ _SCANS = [0]  # scans of the garbage collector's objects so far
 # Every live TE GEMM module te_compile knows of, keyed by registration order (see the docstring).
 _LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 _ORDER = itertools.count()
+_MEMBERS: weakref.WeakSet = weakref.WeakSet()  # the same modules, for membership
 _SCANNED = [False]  # whether the modules made before this patch() were added
 
 
@@ -68,7 +69,8 @@ def _module_classes() -> tuple:
 
 
 def _track(module) -> None:
-    if not any(m is module for m in _LIVE.values()):
+    if module not in _MEMBERS:  # (modules hash by identity)
+        _MEMBERS.add(module)
         _LIVE[next(_ORDER)] = module
 
 
