@@ -12,12 +12,12 @@ functions take no module: the first trace creates the state of every live TE GEM
 (te.Linear, te.LayerNormLinear, te.LayerNormMLP) that needs it (`ensure_*`), and the traced
 code then only checks a plain attribute whose value is the same in every block. The live
 modules are a registry (`_LIVE`, weak references in construction order): while patched, the
-classes' `__init__` and `__setstate__` (copies, unpickling) add each new instance (`swaps`;
-TE's and torch's own methods run unchanged), and
-modules made before patch() are found by one scan of the garbage collector's objects, at the
-first trace after each patch(). Order matters across ranks: TE's fused update concatenates
-the amaxes of every registered module, and an amax reduction over ranks needs the same order
-on each, which construction order gives. A module whose
+classes' `__init__` and `__setstate__` (copies) add each new instance (`swaps`; TE's and
+torch's own methods run unchanged), and modules made before patch() are found by one scan of
+the garbage collector's objects, at the first trace after each patch(). Order matters across
+ranks: TE's fused update concatenates the amaxes of every registered module, and an amax
+reduction over ranks needs the same order on each, which construction order gives. A module
+whose
 DelayedScaling state was made for another recipe is the one case handled per instance
 (`reinit_delayed_state`); changing a recipe costs a recompile anyway.
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import itertools
 import weakref
 
 import torch
@@ -52,10 +51,9 @@ PREPARED_ATTR = "_te_compile_prepared"  # True on the modules te_compile.prepare
 
 _PREPARED: weakref.WeakSet = weakref.WeakSet()  # the modules te_compile.prepare() registered
 _SCANS = [0]  # scans of the garbage collector's objects so far
-# Every live TE GEMM module te_compile knows of, keyed by registration order (see the docstring).
-_LIVE: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_ORDER = itertools.count()
-_MEMBERS: weakref.WeakSet = weakref.WeakSet()  # the same modules, for membership
+# Every live TE GEMM module te_compile knows of, in registration order (a dict keeps insertion
+# order; dead modules drop out). Values unused.
+_LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SCANNED = [False]  # whether the modules made before this patch() were added
 
 
@@ -69,9 +67,7 @@ def _module_classes() -> tuple:
 
 
 def _track(module) -> None:
-    if module not in _MEMBERS:  # (modules hash by identity)
-        _MEMBERS.add(module)
-        _LIVE[next(_ORDER)] = module
+    _LIVE.setdefault(module, None)  # (modules hash by identity)
 
 
 def _live_modules() -> list:
@@ -84,7 +80,7 @@ def _live_modules() -> list:
         for obj in [obj for obj in gc.get_objects() if issubclass(type(obj), classes)]:
             _track(obj)
         _SCANNED[0] = True
-    return list(_LIVE.values())
+    return list(_LIVE)
 
 
 def _tracking(original):
