@@ -168,17 +168,29 @@ def backward(
 # ---- TE's bias-GeLU fusion (no FP8) -----------------------------------------------------------
 
 
+def _stable_keys(fused, *args):
+    """Calls one of TE's torch.compile'd fusions from inside an op body. Dynamo guards a
+    compiled entry on the dispatch keys its inputs show, and inside an op body those depend on
+    how the op was reached (seen on an H100: CUDA-graph warm-up and capture of one step differed
+    in ADInplaceOrView), so the second context compiled a new entry inside the capture, whose
+    first run autotunes, synchronizes and breaks the capture. Inference mode fixes the keys: one
+    entry serves every call of the op body (eager TE's own calls keep theirs)."""
+    with torch.inference_mode():
+        return fused(*args)
+
+
 def bias_gelu(fc1_out_without_bias: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """GELU(x + bias) by TE's `bias_gelu_fused` (a torch.compile'd function of its own, run
-    here exactly as eager TE runs it)."""
+    """GELU(x + bias) by TE's `bias_gelu_fused` (a torch.compile'd function of its own, the
+    kernel eager TE runs). Cloned out of inference mode: it is saved for the backward."""
     from transformer_engine.pytorch.jit import bias_gelu_fused
 
-    return bias_gelu_fused(fc1_out_without_bias, bias)
+    return _stable_keys(bias_gelu_fused, fc1_out_without_bias, bias).clone()
 
 
 def bgrad_dgelu(grad: torch.Tensor, fc1_out_without_bias: torch.Tensor, bias):
-    """(dact, dbias or None) by TE's `bgrad_dgelu_fused`."""
+    """(dact, dbias or None) by TE's `bgrad_dgelu_fused`; dact only feeds FC1's GEMMs, dbias is
+    returned as a gradient (cloned out of inference mode)."""
     from transformer_engine.pytorch.jit import bgrad_dgelu_fused
 
-    dbias, dact = bgrad_dgelu_fused(grad, fc1_out_without_bias, bias)
-    return dact, dbias
+    dbias, dact = _stable_keys(bgrad_dgelu_fused, grad, fc1_out_without_bias, bias)
+    return dact, None if dbias is None else dbias.clone()
