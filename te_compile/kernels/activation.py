@@ -174,9 +174,12 @@ def _stable_keys(fused, *args):
     how the op was reached (seen on an H100: CUDA-graph warm-up and capture of one step differed
     in ADInplaceOrView), so the second context compiled a new entry inside the capture, whose
     first run autotunes, synchronizes and breaks the capture. Inference mode fixes the keys: one
-    entry serves every call of the op body (eager TE's own calls keep theirs)."""
+    entry serves every call of the op body (eager TE's own calls keep theirs). Inference mode
+    alone does not: it leaves a normal tensor's ADInplaceOrView key visible unless the caller
+    excluded it. So the inputs go in as inference-mode aliases (DLPack: same memory, no copy, no
+    autograd or ADInplaceOrView keys), whose keys no context changes."""
     with torch.inference_mode():
-        return fused(*args)
+        return fused(*(None if a is None else torch.from_dlpack(a.detach()) for a in args))
 
 
 def bias_gelu(fc1_out_without_bias: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

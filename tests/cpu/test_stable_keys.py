@@ -1,0 +1,38 @@
+"""TE's torch.compile'd fusions called from an op body compile one entry whatever dispatch-key
+context the op body runs in (on an H100, CUDA-graph capture compiled a second entry and broke)."""
+
+import torch
+
+from te_compile.kernels.activation import _stable_keys
+
+
+def test_one_compiled_entry_whatever_the_dispatch_context():
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fused = torch.compile(lambda x, b: torch.tanh(x + b) * 0.5, backend=counter)
+    x, b = torch.randn(8, 16), torch.nn.Parameter(torch.randn(16))
+    want = torch.tanh(x + b.detach()) * 0.5
+    with torch.no_grad():
+        plain = _stable_keys(fused, x, b)
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # as below an op's ADInplaceOrView kernel
+            below = _stable_keys(fused, x, b)
+    assert counter.frame_count == 1
+    assert torch.equal(plain, want) and torch.equal(below, want)
+    assert plain.is_inference()  # callers clone what leaves the op
+
+
+def test_the_plain_call_would_compile_twice():
+    """The failure the aliases avoid: the same call without them compiles two entries."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    fused = torch.compile(lambda x, b: torch.tanh(x + b) * 0.5, backend=counter)
+    x, b = torch.randn(8, 16), torch.randn(16)
+    with torch.no_grad():
+        fused(x, b)
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            fused(x, b)
+    assert counter.frame_count == 2
