@@ -16,7 +16,8 @@ def test_one_compiled_entry_whatever_the_dispatch_context():
     want = torch.tanh(x + b.detach()) * 0.5
     with torch.no_grad():
         plain = _stable_keys(fused, x, b)
-        with torch._C._AutoDispatchBelowADInplaceOrView():  # as below an op's ADInplaceOrView kernel
+        below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView  # as an op body may run
+        with below_inplace_or_view():
             below = _stable_keys(fused, x, b)
     assert counter.frame_count == 1
     assert torch.equal(plain, want) and torch.equal(below, want)
