@@ -14,7 +14,8 @@ numerics. A training step: zero grads, forward, backward with a fixed random gra
 Per cell (fresh model, dynamo and TE state): the first call in seconds (the compile, in compiled
 modes); after warm-up, the median ms per step (CUDA events around each of N steps issued back to
 back), the median CPU ms to issue one step (GPU idle when it starts), peak GPU memory, graphs
-compiled and recompiles. A failing cell keeps its error and the suite goes on. The JSON is
+compiled and recompiles. A failing cell keeps its error and the suite goes on, unless it left
+CUDA unusable (a failed graph capture): then the suite stops there and reports what it measured. The JSON is
 rewritten after every cell, so a run cut short keeps what it measured.
 """
 
@@ -217,6 +218,18 @@ def run_cell(stack, te_recipe, mode, shape: str, warmup: int, steps: int) -> dic
     except Exception as e:  # noqa: BLE001  (a failing cell is reported, not fatal)
         cell.update(status="error", error=first_line(e))
     return cell
+
+
+def cuda_context_broken() -> str | None:
+    """Why the process's CUDA state can no longer measure anything (a failed CUDA-graph capture
+    leaves the context or the RNG in capture state), or None. Later cells would only repeat the
+    error: the suite stops and says so."""
+    try:
+        torch.randn(1, device="cuda")
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001
+        return first_line(e)
+    return None
 
 
 def usable_stacks(names: list[str]) -> tuple[list[str], dict[str, str]]:
@@ -536,6 +549,14 @@ def main() -> None:
         if cell["status"] == "ok":
             done = f"{cell['step_ms']:.3f} ms/step, first call {cell['compile_s']:.1f} s"
         print(f"[{i}/{len(plan)}] {shape} {row_label(stack, recipe)} {mode}: {done}", flush=True)
+        broken = cell["status"] == "error" and cuda_context_broken()
+        if broken:
+            results["stopped"] = (
+                f"CUDA state broken after {row_label(stack, recipe)} {mode}: {broken}"
+            )
+            print(f"stopping: {results['stopped']}; rerun the remaining cells in a new process")
+            write_json(results, args.json)
+            break
     report(results, args.json, args.plots)
 
 
