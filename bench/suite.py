@@ -15,8 +15,8 @@ Per cell (fresh model, dynamo and TE state): the first call in seconds (the comp
 modes); after warm-up, the median ms per step (CUDA events around each of N steps issued back to
 back), the median CPU ms to issue one step (GPU idle when it starts), peak GPU memory, graphs
 compiled and recompiles. A failing cell keeps its error and the suite goes on, unless it left
-CUDA unusable (a failed graph capture): then the suite stops there and reports what it measured. The JSON is
-rewritten after every cell, so a run cut short keeps what it measured.
+CUDA unusable (a failed graph capture): then the suite stops there and reports what it
+measured. The JSON is rewritten after every cell, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -555,8 +555,7 @@ def main() -> None:
                 f"CUDA state broken after {row_label(stack, recipe)} {mode}: {broken}"
             )
             print(f"stopping: {results['stopped']}; rerun the remaining cells in a new process")
-            write_json(results, args.json)
-            break
+            break  # report() below writes the JSON with the reason
     report(results, args.json, args.plots)
 
 

@@ -171,13 +171,12 @@ def backward(
 def _stable_keys(fused, *args):
     """Calls one of TE's torch.compile'd fusions from inside an op body. Dynamo guards a
     compiled entry on the dispatch keys its inputs show, and inside an op body those depend on
-    how the op was reached (seen on an H100: CUDA-graph warm-up and capture of one step differed
-    in ADInplaceOrView), so the second context compiled a new entry inside the capture, whose
-    first run autotunes, synchronizes and breaks the capture. Inference mode fixes the keys: one
-    entry serves every call of the op body (eager TE's own calls keep theirs). Inference mode
-    alone does not: it leaves a normal tensor's ADInplaceOrView key visible unless the caller
-    excluded it. So the inputs go in as inference-mode aliases (DLPack: same memory, no copy, no
-    autograd or ADInplaceOrView keys), whose keys no context changes."""
+    how the op was reached (on an H100, CUDA-graph warm-up and capture of one step differed in
+    ADInplaceOrView): the capture compiled a second entry, whose first run autotunes,
+    synchronizes and breaks the capture. The inputs therefore go in as inference-mode aliases
+    (DLPack: same memory, no copy, no autograd or ADInplaceOrView key), whose keys no calling
+    context changes, so one entry serves every call (eager TE's own calls keep theirs). Inference
+    mode alone is not enough: a normal tensor keeps its ADInplaceOrView key there."""
     with torch.inference_mode():
         return fused(*(None if a is None else torch.from_dlpack(a.detach()) for a in args))
 

@@ -17,8 +17,7 @@ torch's own methods run unchanged), and modules made before patch() are found by
 the garbage collector's objects, at the first trace after each patch(). Order matters across
 ranks: TE's fused update concatenates the amaxes of every registered module, and an amax
 reduction over ranks needs the same order on each, which construction order gives. A module
-whose
-DelayedScaling state was made for another recipe is the one case handled per instance
+whose DelayedScaling state was made for another recipe is the one case handled per instance
 (`reinit_delayed_state`); changing a recipe costs a recompile anyway.
 
 Creating state for modules that never run is harmless: an unrun module's history stays zero

@@ -6,18 +6,25 @@ import torch
 from te_compile.kernels.activation import _stable_keys
 
 
-def test_one_compiled_entry_whatever_the_dispatch_context():
+def _counted_fusion():
     from torch._dynamo.testing import CompileCounter
 
     torch._dynamo.reset()
     counter = CompileCounter()
-    fused = torch.compile(lambda x, b: torch.tanh(x + b) * 0.5, backend=counter)
+    return torch.compile(lambda x, b: torch.tanh(x + b) * 0.5, backend=counter), counter
+
+
+def _below_inplace_or_view():  # the context an op body may run in
+    return torch._C._AutoDispatchBelowADInplaceOrView()
+
+
+def test_one_compiled_entry_whatever_the_dispatch_context():
+    fused, counter = _counted_fusion()
     x, b = torch.randn(8, 16), torch.nn.Parameter(torch.randn(16))
     want = torch.tanh(x + b.detach()) * 0.5
     with torch.no_grad():
         plain = _stable_keys(fused, x, b)
-        below_inplace_or_view = torch._C._AutoDispatchBelowADInplaceOrView  # as an op body may run
-        with below_inplace_or_view():
+        with _below_inplace_or_view():
             below = _stable_keys(fused, x, b)
     assert counter.frame_count == 1
     assert torch.equal(plain, want) and torch.equal(below, want)
@@ -26,14 +33,10 @@ def test_one_compiled_entry_whatever_the_dispatch_context():
 
 def test_the_plain_call_would_compile_twice():
     """The failure the aliases avoid: the same call without them compiles two entries."""
-    from torch._dynamo.testing import CompileCounter
-
-    torch._dynamo.reset()
-    counter = CompileCounter()
-    fused = torch.compile(lambda x, b: torch.tanh(x + b) * 0.5, backend=counter)
+    fused, counter = _counted_fusion()
     x, b = torch.randn(8, 16), torch.randn(16)
     with torch.no_grad():
         fused(x, b)
-        with torch._C._AutoDispatchBelowADInplaceOrView():
+        with _below_inplace_or_view():
             fused(x, b)
     assert counter.frame_count == 2
