@@ -10,8 +10,9 @@ it: m = rows of the result's transpose, A transposed):
     wgrad  dW = dy.T @ x   A = x.T [K, M] copy, B = dy.T [N, M]  unless acc[2]
 
 The transposed copies are TE's column-wise data: transposes of the same FP8 bytes. Quantization
-is quantize.py's, traced, so inductor fuses each amax and cast into its neighbours. dbias is a
-sum over rows of grad_output in the graph (eager TE's bgrad_quantize reduces in its own order).
+is quantize.py's, traced, so inductor fuses each amax and cast into its neighbours. dbias is
+ATen's row sum (te_compile::bias_grad), as eager TE's bgrad_quantize computes it for current
+scaling; DelayedScaling's fused dbias-cast kernel sums in its own order (within bf16 rounding).
 
 The GEMM is called as `torch.ops.aten._scaled_mm`, the operator torchao's float8 training and
 inductor's scaled-GEMM lowering use: the public `F.scaled_mm` wraps `torch._scaled_mm_v2`,
@@ -67,7 +68,9 @@ def _stored(t: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(f), f, rounded)  # NaN payloads may carry into the sign
 
 
-def _quantize(t: torch.Tensor, cfg: QuantConfig, role: int):
+def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int):
+    """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
+    the quantizer of `role` (an index into ROLES)."""
     t = _stored(t)
     return quantize.quantize_current(t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
 
@@ -89,6 +92,28 @@ def _gemm(a, a_scale_inv, b, b_scale_inv, out_dtype, split_accumulator, bias=Non
     )
 
 
+# The three GEMMs of one FP8 linear layer (see the module docstring), on (data, scale_inv) pairs
+# of 2-D tensors; `acc` is the layer's split-accumulator flag for that GEMM.
+def fprop(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None):
+    """y = x @ w.T (+ bias in the GEMM's epilogue)."""
+    return _gemm(xq, x_si, wq.t(), w_si, out_dtype, acc, bias)
+
+
+def dgrad(gq, g_si, wq, w_si, out_dtype, acc: bool):
+    """dx = dy @ w, reading w's transposed copy."""
+    return _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, acc)
+
+
+def wgrad(gq, g_si, xq, x_si, out_dtype, acc: bool):
+    """dw = dy.T @ x, reading the transposed copies of both."""
+    return _gemm(gq.t().contiguous(), g_si, _column_major(xq), x_si, out_dtype, acc)
+
+
+def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
+    """dbias as eager TE sums it (ATen's row sum, outside inductor: ops/bias_grad.py)."""
+    return torch.ops.te_compile.bias_grad(dy2d)
+
+
 class _LinearFunction(torch.autograd.Function):
     """DelayedScaling passes its tensors (`fwd_scale` a snapshot of TE's forward scales,
     `bwd_scale` and `bwd_history` TE's backward state): forward quantizes with the snapshot
@@ -102,14 +127,14 @@ class _LinearFunction(torch.autograd.Function):
         cfg = call.cfg
         x2d = x.reshape(-1, x.shape[-1])
         if fwd_scale is None:
-            xq, x_si = _quantize(x2d, cfg, 0)
-            wq, w_si = _quantize(weight, cfg, 1)
+            xq, x_si = quantize_stored(x2d, cfg, 0)
+            wq, w_si = quantize_stored(weight, cfg, 1)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             xq, x_si, x_amax = _quantize_delayed(x2d, fwd_scale, cfg, 0)
             wq, w_si, w_amax = _quantize_delayed(weight, fwd_scale, cfg, 1)
             amaxes = torch.cat([x_amax, w_amax, torch.zeros_like(x_amax)])  # output slot: none
-        y = _gemm(xq, x_si, wq.t(), w_si, call.out_dtype, cfg.split_acc[0], bias)
+        y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
         # (whose version check would refuse the mutation).
@@ -125,7 +150,7 @@ class _LinearFunction(torch.autograd.Function):
         bwd_scale, bwd_history = ctx.bwd_state
         dy2d = dy.reshape(-1, dy.shape[-1])
         if bwd_scale is None:
-            gq, g_si = _quantize(dy2d, cfg, 2)
+            gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
             # Quantize with a copy taken before the update below mutates the scale: read in
             # place, inductor (torch 2.11) scheduled the fused cast after the update's write
@@ -134,14 +159,11 @@ class _LinearFunction(torch.autograd.Function):
             gq, g_si, g_amax = _quantize_delayed(dy2d, scale, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, cfg.split_acc[1])
-            dx = dx.reshape(ctx.x_shape)
+            dx = dgrad(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1]).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = _gemm(
-                gq.t().contiguous(), g_si, _column_major(xq), x_si, out_dtype, cfg.split_acc[2]
-            )
+            dw = wgrad(gq, g_si, xq, x_si, out_dtype, cfg.split_acc[2])
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = dy2d.sum(dim=0)
+            dbias = bias_grad(dy2d)
         if bwd_scale is not None:
             _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
         return dx, dw, dbias, None, None, None, None

@@ -22,10 +22,11 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from ..spec import NormSpec
 from . import gemm_common, tensor_parallel
-from .linear import make_forward
+from .linear import graph_path_applies, make_forward
 
 NAME = "te.LayerNormLinear"
 
@@ -70,30 +71,45 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             "return_layernorm_output_gathered=True with sequence_parallel=True",
             "return the local norm output (return_layernorm_output_gathered=False)",
         )
-    outputs = torch.ops.te_compile.layernorm_linear_fwd(
-        x,
-        ln_weight,
-        ln_bias,
-        s.op_weight,
-        g.fused_bias,
-        gemm_common.forward_op_state(s.fwd_state),
-        s.bwd_state,
-        s.weight_cache,
-        s.main_grad,
-        norm.key,
-        g.cfg.key,
-        save_input,
-        save_weight,
-        # Eager TE skips the fused norm+quantize when the norm output is returned or gathered.
-        self.return_layernorm_output or gathered,
-        s.accumulate,
-        parallel,
-    )
-    out = outputs[0].view(-1, *inp_shape[1:-1], outputs[0].shape[-1])
-    out = gemm_common.end_forward(self, g, s, out, outputs[-1])
+    if (
+        not parallel
+        and not gathered
+        and g.cfg.kind == "current"  # (DelayedScaling: TE casts the norm's float32 output)
+        and graph_path_applies(g, s, x, is_first_microbatch)
+    ):
+        # The graph path: TE's norm kernel, then te.Linear's FP8 GEMMs as graph operations
+        # (eager TE quantizes this norm output from its bf16 values: the same bytes).
+        outputs = torch.ops.te_compile.norm_fwd(x, ln_weight, ln_bias, norm.key)
+        bias = None if g.fused_bias is None else g.fused_bias.to(act_dtype)
+        call = graph_linear.LinearFP8(g.cfg, act_dtype)
+        out, amaxes = graph_linear.linear(outputs[0], g.weight, bias, call)
+        ln_out_2d = outputs[0]
+    else:
+        outputs = torch.ops.te_compile.layernorm_linear_fwd(
+            x,
+            ln_weight,
+            ln_bias,
+            s.op_weight,
+            g.fused_bias,
+            gemm_common.forward_op_state(s.fwd_state),
+            s.bwd_state,
+            s.weight_cache,
+            s.main_grad,
+            norm.key,
+            g.cfg.key,
+            save_input,
+            save_weight,
+            # Eager TE skips the fused norm+quantize when its output is returned or gathered.
+            self.return_layernorm_output or gathered,
+            s.accumulate,
+            parallel,
+        )
+        out, amaxes, ln_out_2d = outputs[0], outputs[-1], outputs[3]
+    out = out.view(-1, *inp_shape[1:-1], out.shape[-1])
+    out = gemm_common.end_forward(self, g, s, out, amaxes)
     ln_out = None
     if self.return_layernorm_output:
-        ln_out = outputs[3].view(inp_shape)
+        ln_out = ln_out_2d.view(inp_shape)
         if gathered:  # eager TE adds no gradient of a gathered norm output to its backward
             ln_out = ln_out.detach()
     if self.return_bias:

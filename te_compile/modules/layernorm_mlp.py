@@ -18,7 +18,11 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the te_compile ops)
+from .. import (
+    ops,  # noqa: F401  (registers the te_compile ops)
+    options,
+)
+from ..graph_fp8 import mlp as graph_mlp
 from ..kernels import activation
 from ..ops.layernorm_mlp import MLPSpec
 from ..patching import Swap
@@ -144,6 +148,17 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         fwd_sm_margin=self.fwd_ln_sm_margin if grad else self.inf_ln_sm_margin,
         bwd_sm_margin=self.bwd_ln_sm_margin,
     )
+    plumbing = (op_w1, op_w2, main1, main2, parallel, is_first_microbatch)
+    if _graph_path_applies(self, cfg, inp, act_dtype, plumbing):
+        # The graph path: TE's norm kernel, then the MLP's FP8 as graph operations (eager TE
+        # quantizes this norm output from its bf16 values: the same bytes).
+        x = inp.view(-1, inp.shape[-1])
+        ln_b = ln_b.to(act_dtype) if ln_b is not None else None
+        ln_out = torch.ops.te_compile.norm_fwd(x, ln_w.to(act_dtype), ln_b, norm.key)[0]
+        b1, b2_fused = (b.to(act_dtype) if b is not None else None for b in (b1, b2_fused))
+        call = graph_mlp.MLPFP8(cfg, act_dtype)
+        out = graph_mlp.mlp(ln_out, w1, b1, w2, b2_fused, call)
+        return _returned(self, out.view(*inp.shape[:-1], out.shape[-1]), b2, act_dtype, None)
     mlp = MLPSpec(
         activation=self.activation,
         params=activation.params_tuple(self.activation, self.activation_params),
@@ -176,18 +191,40 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         parallel=parallel,
     )
     gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
-    out = outputs[0]
     ln_out = outputs[1] if self.return_layernorm_output else None
-    if self.gemm_bias_unfused_add:  # set_parallel_mode: TE adds the bias after the GEMM
+    return _returned(self, outputs[0], b2, act_dtype, ln_out)
+
+
+def _returned(m, out, b2, act_dtype, ln_out):
+    """The forward's result as eager TE returns it (the unfused bias added, the bias and the
+    norm output returned as asked)."""
+    if m.gemm_bias_unfused_add:  # set_parallel_mode: TE adds the bias after the GEMM
         out = out + b2.to(act_dtype)
-    if self.return_bias:
+    if m.return_bias:
         bias_out = b2.to(act_dtype) if b2 is not None else None
-        if self.return_layernorm_output:
+        if m.return_layernorm_output:
             return out, bias_out, ln_out
         return out, bias_out
-    if self.return_layernorm_output:
+    if m.return_layernorm_output:
         return out, ln_out
     return out
+
+
+def _graph_path_applies(m, cfg: QuantConfig, inp, act_dtype, plumbing) -> bool:
+    """te_compile.configure(graph_fp8=True), none of the plumbing the graph MLP leaves to TE's
+    kernels (FP8 parameters, FP8 weight caching, main_grad, tensor parallelism), no returned
+    norm output, and a recipe, activation and shapes graph_fp8.mlp takes."""
+    op_w1, op_w2, main1, main2, parallel, is_first_microbatch = plumbing
+    if not options.current().graph_fp8 or m.return_layernorm_output or parallel:
+        return False
+    if is_first_microbatch is not None:
+        return False
+    if op_w1 is not m.fc1_weight or op_w2 is not m.fc2_weight:  # an FP8 weight's carrier/cache
+        return False
+    if main1 is not None or main2 is not None:
+        return False
+    x = inp.view(-1, inp.shape[-1])
+    return not graph_mlp.applies(cfg, m.activation, x, m.fc1_weight, m.fc2_weight, act_dtype)
 
 
 def _checkpointed_forward(self, inp, is_first_microbatch):

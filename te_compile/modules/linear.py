@@ -62,7 +62,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     save_weight = grad and inp.requires_grad
     s = gemm_common.gemm_state(self, g, is_first_microbatch)
     parallel = tensor_parallel.parallel_key(NAME, self, g.cfg)
-    if not parallel and _graph_fp8_applies(g, s, inp, is_first_microbatch):
+    if not parallel and graph_path_applies(g, s, inp, is_first_microbatch):
         call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
         bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
         delayed = None
@@ -94,9 +94,10 @@ def _returned(m, g, out):
     return out
 
 
-def _graph_fp8_applies(g, s, inp, is_first_microbatch) -> bool:
+def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
     """te_compile.configure(graph_fp8=True) and a call the graph path computes: no FP8 weight
-    cache, FP8 parameter or main_grad, and a recipe and shapes graph_fp8.linear takes."""
+    cache, FP8 parameter or main_grad, and a recipe and shapes graph_fp8.linear takes (`inp`:
+    the GEMM's input)."""
     if not options.current().graph_fp8 or s.main_grad is not None:
         return False
     if is_first_microbatch is not None:  # FP8 weight caching

@@ -1,0 +1,107 @@
+"""graph_fp8 on LayerNormLinear, LayerNormMLP and TransformerLayer, traced on CPU with a pretend
+Hopper: which calls take the graph path (TE's norm op, aten scaled GEMMs, te_compile::bias_grad)
+and which stay on TE's kernel ops. Numerics: tests/gpu/test_graph_fp8_layers_gpu.py.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+
+import te_compile
+from te_compile_testing import JointRecorder
+
+
+@contextlib.contextmanager
+def graph_fp8():
+    te_compile.configure(graph_fp8=True)
+    try:
+        yield
+    finally:
+        te_compile.configure(graph_fp8=False)
+
+
+def _trace(make, recipe, shape=(32, 2, 64)):
+    """One compiled fwd+bwd of `make()` under `recipe`: per graph, {op: count} of the
+    te_compile ops and scaled GEMMs."""
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8():
+        torch.manual_seed(0)
+        module = make()
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return module(x)
+
+        out = torch.compile(fn, backend=rec.backend, fullgraph=True)(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().sum().backward()
+    assert (len(rec.fw), len(rec.bw)) == (1, 1)
+    assert x.grad is not None and all(p.grad is not None for p in module.parameters())
+
+    def count(graphs):
+        targets = rec.targets(graphs)
+        return collections.Counter(
+            t.split(".")[1] for t in targets if "te_compile" in t or "_scaled_mm" in t
+        )
+
+    return count(rec.fw), count(rec.bw)
+
+
+def _layers(n=2, **kw):
+    args = dict(hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16)
+    return torch.nn.Sequential(
+        *[te.TransformerLayer(64, 256, 4, **{**args, **kw}).cuda() for _ in range(n)]
+    )
+
+
+def test_transformer_layers_take_the_graph_path(patched, graph_breaks):
+    """Float8CurrentScaling: every GEMM of two TransformerLayers is an aten scaled GEMM (4 per
+    layer forward, 8 backward); TE's kernels stay for the norms and attention; the QKV and FC1
+    biases' gradients are te_compile::bias_grad (the others are returned to the layer's
+    bias-dropout-add)."""
+    fw, bw = _trace(_layers, R.Float8CurrentScaling())
+    assert graph_breaks() == 0
+    assert fw == {"norm_fwd": 4, "_scaled_mm": 8, "fused_attn_fwd": 2}
+    assert bw == {"_scaled_mm": 16, "bias_grad": 4, "norm_bwd": 4, "fused_attn_bwd": 2}
+
+
+def test_delayed_scaling_norm_layers_stay_on_te_kernels(patched):
+    """DelayedScaling: TE casts its norm's and GELU's float32 results to FP8 in their kernels,
+    which the graph cannot reproduce from their bf16 outputs: LayerNormLinear and LayerNormMLP
+    keep TE's kernel ops (te.Linear, the attention projection, takes the graph path)."""
+    fw, _ = _trace(lambda: _layers(1), R.DelayedScaling())
+    assert fw["layernorm_linear_fwd"] == 1 and fw["layernorm_mlp_fwd"] == 1
+    assert fw["_scaled_mm"] == 1 and "linear_fwd" not in fw
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_other_activations_keep_te_mlp_kernels(activation, patched):
+    """The graph MLP has TE's GELU only: another activation runs TE's MLP op; the norm +
+    GEMM of LayerNormLinear still takes the graph path."""
+    fw, _ = _trace(
+        lambda: _layers(1, activation=activation, normalization="RMSNorm"),
+        R.Float8CurrentScaling(),
+    )
+    assert fw["layernorm_mlp_fwd"] == 1 and "layernorm_linear_fwd" not in fw
+    assert fw["_scaled_mm"] == 2
+
+
+def test_layernorm_linear_returned_norm_output(patched):
+    """return_layernorm_output on the graph path: the norm op's output is returned and its
+    gradient joins the GEMM's before the norm backward, as in eager TE."""
+
+    def make():
+        return te.LayerNormLinear(
+            64, 32, return_layernorm_output=True, params_dtype=torch.bfloat16
+        ).cuda()
+
+    fw, bw = _trace(make, R.Float8CurrentScaling())
+    assert fw == {"norm_fwd": 1, "_scaled_mm": 1}
+    assert bw == {"_scaled_mm": 2, "bias_grad": 1, "norm_bwd": 1}

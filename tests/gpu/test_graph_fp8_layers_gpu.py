@@ -1,0 +1,215 @@
+"""GPU tests of graph_fp8 beyond te.Linear (te_compile.configure(graph_fp8=True) with
+Float8CurrentScaling): TE's GELU and its derivative as inductor compiles them, over every
+bfloat16 input; the bias gradient against TE's bgrad; LayerNormMLP, LayerNormLinear and
+TransformerLayer trained compiled on the graph path against eager TE, bit for bit.
+
+    PYTHONPATH=$PWD python3 -m pytest tests/gpu/test_graph_fp8_layers_gpu.py -m gpu -q
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import test_transformer_layer_gpu as layer_tests
+import torch
+import transformer_engine.pytorch as te
+import transformer_engine_torch as tex
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch import quantization as q
+from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
+
+import te_compile
+from te_compile.graph_fp8 import mlp
+
+pytestmark = pytest.mark.gpu
+FGS = q.FP8GlobalStateManager
+
+
+@contextlib.contextmanager
+def graph_fp8(on: bool = True):
+    before = te_compile.options.current().graph_fp8
+    te_compile.configure(graph_fp8=on)
+    try:
+        yield
+    finally:
+        te_compile.configure(graph_fp8=before)
+
+
+def _every_bfloat16() -> torch.Tensor:
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16).cuda().reshape(256, 256)
+
+
+def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
+    same = (a.view(torch.int32) == b.view(torch.int32)) | (torch.isnan(a) & torch.isnan(b))
+    return int((~same).sum())
+
+
+def test_gelu_and_dgelu_are_tes_on_every_bfloat16():
+    """Inductor's float32 GELU and GELU derivative against TE's kernels on float32 copies of all
+    65,536 bfloat16 values (TE's kernels compute in float32 whatever they read): 0 differ.
+    Eager PyTorch (no fused multiply-adds) differs on some: the path is for compiled graphs."""
+    x = _every_bfloat16().float()
+    ours = torch.compile(lambda v: (mlp.gelu(v), mlp.dgelu(v)))(x)
+    theirs = (tex.gelu(x, None), tex.dgelu(torch.ones_like(x), x, None))
+    assert [_differing(a, b) for a, b in zip(ours, theirs, strict=True)] == [0, 0]
+
+
+def test_gelu_quantized_as_te_fuses_it():
+    """tex.gelu with a current-scaling quantizer (amax of the float32 GELU, cast of its bf16
+    value) against the graph's: data and scale_inv bit for bit, at scales where the amax's
+    bf16 rounding matters."""
+    from te_compile.recipes import QuantConfig
+
+    cfg = QuantConfig(kind="current")
+    fn = torch.compile(lambda h: mlp._quantized_gelu(h, cfg))
+    for scale in (0.01, 3.0, 300.0):
+        torch.manual_seed(0)
+        h = (torch.randn(1024, 4096, device="cuda") * scale).to(torch.bfloat16)
+        quantizer = Float8CurrentScalingQuantizer(tex.DType.kFloat8E4M3, h.device)
+        want = tex.gelu(h, quantizer)
+        data, scale_inv = fn(h)
+        assert torch.equal(data.view(torch.uint8), want._data)
+        assert torch.equal(scale_inv, want._scale_inv.reshape(1))
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (1000, 3072), (8192, 1024)])
+def test_bias_grad_is_tes_bgrad(shape):
+    """te_compile::bias_grad against tex.bgrad_quantize's dbias (current scaling: at::sum_out),
+    on values whose float32 sum depends on the order of additions."""
+    torch.manual_seed(0)
+    dy = torch.randn(shape, device="cuda") * 10.0 ** torch.randint(-3, 4, shape, device="cuda")
+    dy = dy.to(torch.bfloat16)
+    quantizer = Float8CurrentScalingQuantizer(tex.DType.kFloat8E5M2, dy.device)
+    want, _ = tex.bgrad_quantize(dy, quantizer)
+    got = torch.compile(lambda t: torch.ops.te_compile.bias_grad(t * 1))(dy)
+    assert torch.equal(got, want)
+
+
+def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    m = te.LayerNormMLP(
+        256, 1024, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    recipe = R.Float8CurrentScaling()
+
+    def fn(x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+
+    fn = torch.compile(fn, fullgraph=True) if compiled else fn
+    records = []
+    torch.manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        y = fn(x)
+        y.backward(torch.randn_like(y))
+        records.append([y.detach().clone(), x.grad.clone()])
+        records[-1] += [p.grad.clone() for p in m.parameters()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
+    """te.LayerNormMLP (GELU), 3 SGD steps compiled on the graph path against eager TE: output,
+    input gradient and every parameter gradient bit-identical at every step."""
+    want = _train_mlp(False, normalization, bias)
+    with graph_fp8():
+        got = _train_mlp(True, normalization, bias)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+
+
+# TransformerLayer option sets (tests/attention_cases.py) whose LayerNormLinear and LayerNormMLP
+# take the graph path (RMSNorm + SwiGLU: the QKV projection only), compared with eager TE by
+# test_transformer_layer_gpu.py's check (eager's bf16 rounding of the elementwise code between
+# TE's kernels, as its bit-identical tests run).
+LAYER_CASES = ["causal", "rope", "no_bias", "post_layernorm_residual", "rmsnorm_swiglu"]
+
+
+@pytest.mark.parametrize("case_name", LAYER_CASES)
+def test_transformer_layer_on_graph_path_matches_eager(case_name, patched, monkeypatch):
+    """Two SGD steps of a TransformerLayer, compiled on the graph path: bit-identical to eager
+    TE (outputs, input and parameter gradients)."""
+    with graph_fp8():
+        layer_tests.check(case_name, "current", monkeypatch, n=2, lr=0.01)
+
+
+def test_transformer_layer_graph_path_is_fp8(patched):
+    """The graph path quantizes: its output differs from the same layer without FP8."""
+    with graph_fp8():
+        fp8 = layer_tests.steps("causal", "current", True)
+    bf16 = layer_tests.steps("causal", "none", True)
+    assert not torch.equal(fp8[0]["out"], bf16[0]["out"])
+
+
+def test_stack_eager_then_compiled_then_cuda_graphs(patched):
+    """Three TransformerLayers trained as users do: 2 eager steps, 2 compiled (graph path), 2
+    under reduce-overhead, against 6 eager TE steps: losses and every gradient bit-identical
+    (eager's rounding in inductor: see test_transformer_layer_gpu.py)."""
+    import torch._inductor.config as inductor_config
+
+    def run(modes):
+        torch._dynamo.reset()
+        FGS.reset()
+        torch.manual_seed(0)
+        layers = torch.nn.Sequential(
+            *[
+                te.TransformerLayer(
+                    128,
+                    512,
+                    4,
+                    hidden_dropout=0.0,
+                    attention_dropout=0.0,
+                    self_attn_mask_type="causal",
+                    params_dtype=torch.bfloat16,
+                    seq_length=128,
+                )
+                for _ in range(3)
+            ]
+        )
+        opt = torch.optim.SGD(layers.parameters(), lr=0.01)
+        recipe = R.Float8CurrentScaling()
+
+        def step(x):
+            with te.autocast(recipe=recipe):
+                return layers(x).float().square().mean()
+
+        fns = {
+            "eager": step,
+            "default": torch.compile(step, fullgraph=True),
+            "reduce-overhead": torch.compile(step, fullgraph=True, mode="reduce-overhead"),
+        }
+        out = []
+        torch.manual_seed(1)
+        for mode in modes:
+            if mode == "reduce-overhead":
+                torch.compiler.cudagraph_mark_step_begin()
+            x = torch.randn(128, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            loss = fns[mode](x)
+            loss.backward()
+            out.append([loss.detach().clone(), x.grad.clone()])
+            out[-1] += [p.grad.clone() for p in layers.parameters()]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return out
+
+    with inductor_config.patch(layer_tests.EAGER_ROUNDING):
+        want = run(["eager"] * 6)
+        with graph_fp8():
+            got = run(["eager"] * 2 + ["default"] * 2 + ["reduce-overhead"] * 2)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
