@@ -6,8 +6,8 @@ GPU time goes.
 
 `--stack`: a TE stack of bench/stacks.py (te, te-lnlinear, te-lnmlp, te-transformer);
 `--batch B` > 0 makes the input [tokens, B, hidden] (sequence first), else [tokens, hidden].
-`--off aten_fp8_gemm,graph_weight_quantize` turns te_compile options off (te_compile.configure),
-to measure what each saves.
+`--off aten_fp8_gemm` turns te_compile options off and `--on graph_fp8` turns them on
+(te_compile.configure), to measure what each saves.
 
 Per recipe and mode (eager TE, compiled default mode): the median CPU time to issue one step
 with the GPU idle at its start (synchronize, then time the Python call; the GPU work is not
@@ -122,10 +122,12 @@ def main() -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--off", default="", help="te_compile options to turn off, comma-separated")
+    p.add_argument("--on", default="", help="te_compile options to turn on, comma-separated")
     args = p.parse_args()
     te_compile.patch()
     off = [name for name in args.off.split(",") if name]
-    te_compile.configure(**dict.fromkeys(off, False))
+    on = [name for name in args.on.split(",") if name]
+    te_compile.configure(**dict.fromkeys(off, False), **dict.fromkeys(on, True))
     rows = []
     for name in args.recipes.split(","):
         for mode in args.modes.split(","):

@@ -105,3 +105,21 @@ def test_layernorm_linear_returned_norm_output(patched):
     fw, bw = _trace(make, R.Float8CurrentScaling())
     assert fw == {"norm_fwd": 1, "_scaled_mm": 1}
     assert bw == {"_scaled_mm": 2, "bias_grad": 1, "norm_bwd": 1}
+
+
+def test_large_transposes_use_tes_kernel(patched):
+    """Transposed FP8 copies of at least TE_TRANSPOSE_MIN_ELEMENTS go through TE's transpose
+    kernel (te_compile::fp8_transpose); smaller ones stay inductor's."""
+    from te_compile.graph_fp8.linear import TE_TRANSPOSE_MIN_ELEMENTS
+
+    side = 4096
+    assert side * side >= TE_TRANSPOSE_MIN_ELEMENTS > 64 * 64
+
+    def make(n):
+        return lambda: te.Linear(n, n, bias=False, params_dtype=torch.bfloat16).cuda()
+
+    _, bw = _trace(make(side), R.Float8CurrentScaling(), shape=(side, side))
+    # dgrad's weight copy, wgrad's grad_output and input copies
+    assert bw == {"_scaled_mm": 2, "fp8_transpose": 3}
+    _, bw = _trace(make(64), R.Float8CurrentScaling(), shape=(32, 64))
+    assert bw == {"_scaled_mm": 2}

@@ -75,7 +75,7 @@ def test_gelu_quantized_as_te_fuses_it():
 
 
 @pytest.mark.parametrize("shape", [(64, 128), (1000, 3072), (8192, 1024)])
-def test_bias_grad_is_tes_bgrad(shape):
+def test_bias_grad_is_tes_bgrad(shape, patched):
     """te_compile::bias_grad against tex.bgrad_quantize's dbias (current scaling: at::sum_out),
     on values whose float32 sum depends on the order of additions."""
     torch.manual_seed(0)
@@ -185,7 +185,7 @@ def test_stack_eager_then_compiled_then_cuda_graphs(patched):
 
         def step(x):
             with te.autocast(recipe=recipe):
-                return layers(x).float().square().mean()
+                return layers(x)
 
         fns = {
             "eager": step,
@@ -198,7 +198,8 @@ def test_stack_eager_then_compiled_then_cuda_graphs(patched):
             if mode == "reduce-overhead":
                 torch.compiler.cudagraph_mark_step_begin()
             x = torch.randn(128, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            loss = fns[mode](x)
+            # The loss outside the compiled step: inductor's mean would sum in its own order.
+            loss = fns[mode](x).float().square().mean()
             loss.backward()
             out.append([loss.detach().clone(), x.grad.clone()])
             out[-1] += [p.grad.clone() for p in layers.parameters()]
@@ -213,3 +214,12 @@ def test_stack_eager_then_compiled_then_cuda_graphs(patched):
     for step, (a, b) in enumerate(zip(got, want, strict=True)):
         for i, (u, v) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_transpose_is_the_transpose(dtype, patched):
+    """te_compile::fp8_transpose (TE's transpose kernel) gives the transposed bytes."""
+    torch.manual_seed(0)
+    data = torch.randint(0, 256, (4096, 4352), device="cuda", dtype=torch.uint8).view(dtype)
+    got = torch.ops.te_compile.fp8_transpose(data)
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), data.view(torch.uint8).t())
