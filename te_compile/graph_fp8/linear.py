@@ -29,7 +29,6 @@ from ..kernels.fp8_operands import DELAYED_SLOT
 from ..recipes import ROLES, QuantConfig
 from . import quantize
 
-_BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 # aten's scaled GEMM's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
 _ALIGN = 16
 
@@ -57,21 +56,10 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     return ""
 
 
-def _stored(t: torch.Tensor) -> torch.Tensor:
-    """`t`'s values as float32, rounded to bfloat16 as a store would round them. Inductor keeps
-    a fused producer's result (a GELU, a residual add) in float32 registers, unrounded, and
-    would quantize that; TE quantizes the bfloat16 tensor the producer stored. Rounding to
-    nearest even on the bits (a no-op on a value already bfloat16) gives TE's input back."""
-    f = t.float()
-    bits = f.view(torch.int32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & _BF16_BITS).view(torch.float32)
-    return torch.where(torch.isnan(f), f, rounded)  # NaN payloads may carry into the sign
-
-
 def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int):
     """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
     the quantizer of `role` (an index into ROLES)."""
-    t = _stored(t)
+    t = quantize.stored_bf16(t)
     return quantize.quantize_current(t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
 
 
@@ -184,7 +172,9 @@ class _LinearFunction(torch.autograd.Function):
 
 def _quantize_delayed(t: torch.Tensor, scales: torch.Tensor, cfg: QuantConfig, role: int):
     slot = DELAYED_SLOT[ROLES[role]]  # TE's slot of the role in its direction's state
-    return quantize.quantize_delayed(_stored(t), scales[slot : slot + 1], cfg.dtypes[role])
+    return quantize.quantize_delayed(
+        quantize.stored_bf16(t), scales[slot : slot + 1], cfg.dtypes[role]
+    )
 
 
 def _update_backward_state(cfg: QuantConfig, scale, history, grad_amax) -> None:

@@ -79,7 +79,7 @@ def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
     scale = quantize.scale_from_amax(
         quantize.amax(act), fp8, cfg.amax_eps[_INPUT], cfg.pow2[_INPUT]
     )
-    return quantize.cast(linear._stored(act), scale, fp8), quantize.reciprocal(scale)
+    return quantize.cast(quantize.stored_bf16(act), scale, fp8), quantize.reciprocal(scale)
 
 
 class _MLPFunction(torch.autograd.Function):

@@ -24,6 +24,7 @@ FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
 TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FLT_MAX = torch.finfo(torch.float32).max
 _EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a float32
+_BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -72,3 +73,14 @@ def quantize_delayed(
     """DelayedScaling: (FP8 data, scale_inv [1], amax [1]) of x with a given scale [1]; the
     amax is x's, recorded for the history as TE's cast kernel records it."""
     return cast(x, scale, fp8), reciprocal(scale), amax(x)
+
+
+def stored_bf16(t: torch.Tensor) -> torch.Tensor:
+    """`t`'s values as float32, rounded to bfloat16 as a store would round them. Inductor keeps
+    a fused producer's result (a GELU, a residual add) in float32 registers, unrounded, and
+    would quantize that; TE quantizes the bfloat16 tensor the producer stored. Rounding to
+    nearest even on the bits (a no-op on a value already bfloat16) gives TE's input back."""
+    f = t.float()
+    bits = f.view(torch.int32)
+    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & _BF16_BITS).view(torch.float32)
+    return torch.where(torch.isnan(f), f, rounded)  # NaN payloads may carry into the sign

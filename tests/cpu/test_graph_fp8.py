@@ -94,7 +94,7 @@ def test_amax_skips_nan_and_cast_saturates():
 
 
 def test_stored_rounds_float32_as_a_bfloat16_store():
-    from te_compile.graph_fp8.linear import _stored
+    from te_compile.graph_fp8.quantize import stored_bf16 as _stored
 
     torch.manual_seed(0)
     specials = [0.0, -0.0, 1.0, 3.0e38, 3.3895314e38, 3.4e38, float("inf"), -float("inf"), 1e-40]
