@@ -104,7 +104,8 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             s.accumulate,
             parallel,
         )
-        out, amaxes, ln_out_2d = outputs[0], outputs[-1], outputs[3]
+        out, amaxes = outputs[0], outputs[-1]
+        ln_out_2d = outputs[3] if self.return_layernorm_output else None
     out = out.view(-1, *inp_shape[1:-1], out.shape[-1])
     out = gemm_common.end_forward(self, g, s, out, amaxes)
     ln_out = None

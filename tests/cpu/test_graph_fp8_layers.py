@@ -123,3 +123,21 @@ def test_large_transposes_use_tes_kernel(patched):
     assert bw == {"_scaled_mm": 2, "fp8_transpose": 3}
     _, bw = _trace(make(64), R.Float8CurrentScaling(), shape=(32, 64))
     assert bw == {"_scaled_mm": 2}
+
+
+def test_inference_under_no_grad_takes_the_graph_path(patched, graph_breaks):
+    """Eval mode under no_grad: the graph path's forward alone (4 scaled GEMMs per layer), and
+    the TE-kernel path for DelayedScaling's norm layers, both without a backward to save for."""
+    for recipe, want in ((R.Float8CurrentScaling(), 8), (R.DelayedScaling(), 2)):
+        rec = JointRecorder()
+        with te_compile.simulate_gpu("hopper"), graph_fp8(), torch.no_grad():
+            layers = _layers().eval()
+            x = torch.randn(32, 2, 64, device="cuda", dtype=torch.bfloat16)
+
+            def fn(x, layers=layers, recipe=recipe):
+                with te.autocast(recipe=recipe):
+                    return layers(x)
+
+            torch.compile(fn, backend=rec.backend, fullgraph=True)(x)
+        assert graph_breaks() == 0
+        assert sum("_scaled_mm" in t for t in rec.targets(rec.fw)) == want
