@@ -233,3 +233,16 @@ def op_args(node: torch.fx.Node) -> dict:
     args = dict(zip(names, node.args, strict=False))
     args.update(node.kwargs)
     return args
+
+
+@contextlib.contextmanager
+def graph_fp8(on: bool = True):
+    """te_compile.configure(graph_fp8=on) inside the block, the previous value restored after."""
+    from te_compile import options
+
+    before = options.current().graph_fp8
+    options.configure(graph_fp8=on)
+    try:
+        yield
+    finally:
+        options.configure(graph_fp8=before)

@@ -22,11 +22,10 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
-from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from ..spec import NormSpec
 from . import gemm_common, tensor_parallel
-from .linear import graph_path_applies, make_forward
+from .linear import graph_path_applies, graph_path_forward, make_forward
 
 NAME = "te.LayerNormLinear"
 
@@ -79,11 +78,8 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     ):
         # The graph path: TE's norm kernel, then te.Linear's FP8 GEMMs as graph operations
         # (eager TE quantizes this norm output from its bf16 values: the same bytes).
-        outputs = torch.ops.te_compile.norm_fwd(x, ln_weight, ln_bias, norm.key)
-        bias = None if g.fused_bias is None else g.fused_bias.to(act_dtype)
-        call = graph_linear.LinearFP8(g.cfg, act_dtype)
-        out, amaxes = graph_linear.linear(outputs[0], g.weight, bias, call)
-        ln_out_2d = outputs[0]
+        ln_out_2d = torch.ops.te_compile.norm_fwd(x, ln_weight, ln_bias, norm.key)[0]
+        out, amaxes = graph_path_forward(g, s, ln_out_2d)
     else:
         outputs = torch.ops.te_compile.layernorm_linear_fwd(
             x,

@@ -63,12 +63,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     s = gemm_common.gemm_state(self, g, is_first_microbatch)
     parallel = tensor_parallel.parallel_key(NAME, self, g.cfg)
     if not parallel and graph_path_applies(g, s, inp, is_first_microbatch):
-        call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
-        bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
-        delayed = None
-        if s.fwd_state:  # DelayedScaling: the forward op's scale snapshot, the backward state
-            delayed = (*gemm_common.forward_op_state(s.fwd_state), *s.bwd_state)
-        out, amaxes = graph_linear.linear(inp, g.weight, bias, call, delayed)
+        out, amaxes = graph_path_forward(g, s, inp)
         return _returned(self, g, gemm_common.end_forward(self, g, s, out, amaxes))
     outputs = torch.ops.te_compile.linear_fwd(
         inp,
@@ -105,6 +100,17 @@ def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
     if s.op_weight is not g.weight:  # an FP8 parameter's gradient carrier
         return False
     return not graph_linear.applies(g.cfg, inp, g.weight, g.act_dtype)
+
+
+def graph_path_forward(g, s, inp):
+    """(out, amaxes) of the GEMM on 2-D `inp` on the graph path (graph_fp8/linear.py), where
+    `graph_path_applies`; te.Linear's and LayerNormLinear's (after its norm)."""
+    call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
+    bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
+    delayed = None
+    if s.fwd_state:  # DelayedScaling: the forward op's scale snapshot, the backward state
+        delayed = (*gemm_common.forward_op_state(s.fwd_state), *s.bwd_state)
+    return graph_linear.linear(inp, g.weight, bias, call, delayed)
 
 
 def make_forward(original, compiled=compiled_forward):

@@ -16,10 +16,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import extension
-from ..kernels.te_dtypes import te_fp8_dtype
 from .registry import op
-
-_FP8_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
 @op()
@@ -35,7 +32,7 @@ bias_grad.fake(lambda a: a.grad_output.new_empty(a.grad_output.shape[-1:]))
 @op()
 def fp8_transpose(data: Tensor) -> Tensor:
     """2-D FP8 `data` transposed, contiguous: tex.fp8_transpose's bytes."""
-    fp8 = te_fp8_dtype(_FP8_NAMES[data.dtype])
+    fp8 = extension.te_dtype(data.dtype)
     out = extension.tex().fp8_transpose(data.contiguous().view(torch.uint8), fp8, out=None)
     return out.view(data.dtype)
 

@@ -5,8 +5,6 @@ pretend Hopper GPU. Bit-for-bit agreement with TE's kernels is tests/gpu/test_gr
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,7 @@ from transformer_engine.common import recipe as R
 import te_compile
 import te_compile.modules.linear as module_linear
 from te_compile.graph_fp8 import quantize
-from te_compile_testing import JointRecorder
+from te_compile_testing import JointRecorder, graph_fp8
 
 FLT_MAX = np.finfo(np.float32).max
 
@@ -109,15 +107,6 @@ def test_stored_rounds_float32_as_a_bfloat16_store():
 
 
 # ---- te.Linear on the graph path, joint graph on meta with a pretend Hopper --------------------
-
-
-@contextlib.contextmanager
-def graph_fp8():
-    te_compile.configure(graph_fp8=True)
-    try:
-        yield
-    finally:
-        te_compile.configure(graph_fp8=False)
 
 
 def _linear(monkeypatch, bias: bool, in_f=64, out_f=32):

@@ -6,7 +6,6 @@ and which stay on TE's kernel ops. Numerics: tests/gpu/test_graph_fp8_layers_gpu
 from __future__ import annotations
 
 import collections
-import contextlib
 
 import pytest
 import torch
@@ -14,16 +13,7 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
 import te_compile
-from te_compile_testing import JointRecorder
-
-
-@contextlib.contextmanager
-def graph_fp8():
-    te_compile.configure(graph_fp8=True)
-    try:
-        yield
-    finally:
-        te_compile.configure(graph_fp8=False)
+from te_compile_testing import JointRecorder, graph_fp8
 
 
 def _trace(make, recipe, shape=(32, 2, 64)):

@@ -8,8 +8,6 @@ compile on the graph path against eager TE.
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import transformer_engine.pytorch as te
@@ -21,6 +19,7 @@ from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScaling
 import te_compile
 from te_compile.graph_fp8 import quantize
 from te_compile_testing import InductorRecorder
+from te_compile_testing import graph_fp8 as _graph_fp8
 
 pytestmark = pytest.mark.gpu
 FGS = q.FP8GlobalStateManager
@@ -197,16 +196,6 @@ class _OpRecorder(InductorRecorder):
 
         aot_module_simplified(gm, example_inputs, fw_compiler=record, bw_compiler=record)
         return super().__call__(gm, example_inputs)
-
-
-@contextlib.contextmanager
-def _graph_fp8(on: bool):
-    before = te_compile.options.current()
-    te_compile.configure(graph_fp8=on)
-    try:
-        yield
-    finally:
-        te_compile.configure(graph_fp8=before.graph_fp8)
 
 
 def _train(

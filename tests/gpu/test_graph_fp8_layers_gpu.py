@@ -8,8 +8,6 @@ TransformerLayer trained compiled on the graph path against eager TE, bit for bi
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import test_transformer_layer_gpu as layer_tests
 import torch
@@ -19,21 +17,11 @@ from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
-import te_compile
 from te_compile.graph_fp8 import mlp
+from te_compile_testing import graph_fp8
 
 pytestmark = pytest.mark.gpu
 FGS = q.FP8GlobalStateManager
-
-
-@contextlib.contextmanager
-def graph_fp8(on: bool = True):
-    before = te_compile.options.current().graph_fp8
-    te_compile.configure(graph_fp8=on)
-    try:
-        yield
-    finally:
-        te_compile.configure(graph_fp8=before)
 
 
 def _every_bfloat16() -> torch.Tensor:
