@@ -46,10 +46,8 @@ def attention(qkv: list[torch.Tensor], layout: str) -> torch.Tensor:
         qkv,
         cu,
         cu,
-        None,
-        None,
-        S,
-        S,
+        [None, None],
+        [S, S],
         FusedAttnSpec(
             qkv_layout=layout,
             attn_mask_type="causal",

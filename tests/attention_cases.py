@@ -206,7 +206,7 @@ def fused_attn_fwd_args(layout="sbhd_sbhd_sbhd", mask="causal", dropout=0.0, pad
     cu = torch.arange(0, (BATCH + 1) * SEQ, SEQ, dtype=torch.int32, device="cuda")
     padded_cu = cu if padded else None
     config = fused_attn_spec(layout, mask, dropout).key
-    return (qkv, cu, cu, padded_cu, padded_cu, SEQ, SEQ, config)
+    return (qkv, cu, cu, [padded_cu, padded_cu], [SEQ, SEQ], config)
 
 
 def fused_attn_bwd_args(fwd_args):

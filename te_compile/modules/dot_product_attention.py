@@ -173,15 +173,12 @@ def _fused_attention(m, call, tensors, layout, batch, seqlens, mask, fused_backe
         deterministic=bool(m.deterministic),
         backend=fused_backend,
     )
-    out, _, _ = torch.ops.te_compile.fused_attn_fwd(
-        tensors,
-        cu_q[: batch + 1],
-        cu_kv[: batch + 1],
+    padded = [
         _padded(call["cu_seqlens_q_padded"], cu_q, batch, mask_type),
         _padded(call["cu_seqlens_kv_padded"], cu_kv, batch, mask_type),
-        max_q,
-        max_kv,
-        config.key,
+    ]
+    out, _, _ = torch.ops.te_compile.fused_attn_fwd(
+        tensors, cu_q[: batch + 1], cu_kv[: batch + 1], padded, [max_q, max_kv], config.key
     )
     return out.view(*out.shape[:-2], -1)
 

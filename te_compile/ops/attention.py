@@ -1,13 +1,15 @@
 """TE's cuDNN fused attention (FusedAttention's F16/BF16 path) as custom ops.
 
-    fused_attn_fwd(qkv[], cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded?,
-        cu_seqlens_kv_padded?, max_seqlen_q, max_seqlen_kv, config) -> (out, softmax_stats,
-        rng_state)
+    fused_attn_fwd(qkv[], cu_seqlens_q, cu_seqlens_kv, cu_seqlens_padded[], max_seqlens[],
+        config) -> (out, softmax_stats, rng_state)
     fused_attn_bwd(qkv[], out, d_out, softmax_stats, rng_state, <the same>) -> grads[]
 
 `config` is `FusedAttnSpec.key`: the layout, mask, window, scale, dropout and backend options,
-which always travel together from the module to both kernels (the sequence lengths stay
-separate ints: they are sizes, not options).
+which always travel together from the module to both kernels. The sequence lengths are
+tensors and sizes rather than options: `cu_seqlens_padded` = [q, kv] (each None unless given
+or a padding mask), `max_seqlens` = [q, kv]. The plain cu_seqlens stay separate tensors: under
+activation checkpointing AOTAutograd wraps this random op in RNG-state wrappers that find the
+device from a tensor argument outside any list.
 
 `qkv` holds the tensors as TE's layout string names them: one packed buffer for "sb3hd" /
 "bsh3d"..., a query and a packed key-value buffer for "sbhd_sb2hd"..., three tensors for
@@ -148,16 +150,15 @@ def fused_attn_fwd(
     qkv: list[Tensor],
     cu_seqlens_q: Tensor,
     cu_seqlens_kv: Tensor,
-    cu_seqlens_q_padded: Tensor | None,
-    cu_seqlens_kv_padded: Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
+    cu_seqlens_padded: list[Tensor | None],
+    max_seqlens: list[int],
     config: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
     cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, cfg.qkv_layout)
-    sizes = (max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv)  # both kernels, in a row
+    cu_seqlens_q_padded, cu_seqlens_kv_padded = cu_seqlens_padded
+    sizes = (*max_seqlens, cu_seqlens_q, cu_seqlens_kv)  # both kernels take them in a row
     out, aux = _call_te(
         fa.fused_attn_fwd,
         cfg,
@@ -205,16 +206,15 @@ def fused_attn_bwd(
     rng_state: Tensor,
     cu_seqlens_q: Tensor,
     cu_seqlens_kv: Tensor,
-    cu_seqlens_q_padded: Tensor | None,
-    cu_seqlens_kv_padded: Tensor | None,
-    max_seqlen_q: int,
-    max_seqlen_kv: int,
+    cu_seqlens_padded: list[Tensor | None],
+    max_seqlens: list[int],
     config: str,
 ) -> list[Tensor]:
     cfg = FusedAttnSpec.from_key(config)
     fa = _te_fused_attn()
     q, k, v = split_qkv(qkv, cfg.qkv_layout)
-    sizes = (max_seqlen_q, max_seqlen_kv, cu_seqlens_q, cu_seqlens_kv)  # both kernels, in a row
+    cu_seqlens_q_padded, cu_seqlens_kv_padded = cu_seqlens_padded
+    sizes = (*max_seqlens, cu_seqlens_q, cu_seqlens_kv)  # both kernels take them in a row
     dq, dk, dv, *_ = _call_te(
         fa.fused_attn_bwd,
         cfg,
@@ -249,25 +249,17 @@ def _setup_context(ctx, a, output) -> None:
     out, stats, rng_state = output
     ctx.mark_non_differentiable(stats, rng_state)
     ctx.n_qkv = len(a.qkv)
-    ctx.save_for_backward(
-        *a.qkv,
-        out,
-        stats,
-        rng_state,
-        a.cu_seqlens_q,
-        a.cu_seqlens_kv,
-        a.cu_seqlens_q_padded,
-        a.cu_seqlens_kv_padded,
-    )
-    ctx.max_seqlens = (a.max_seqlen_q, a.max_seqlen_kv)
+    cu_seqlens = (a.cu_seqlens_q, a.cu_seqlens_kv, *a.cu_seqlens_padded)
+    ctx.save_for_backward(*a.qkv, out, stats, rng_state, *cu_seqlens)
+    ctx.max_seqlens = a.max_seqlens
     ctx.config = a.config
 
 
 def _backward(ctx, d_out, _d_stats, _d_rng):
     qkv, saved = ctx.saved_tensors[: ctx.n_qkv], ctx.saved_tensors[ctx.n_qkv :]
-    out, stats, rng_state, *cu_seqlens = saved  # plain (q, kv), then padded (q, kv)
+    out, stats, rng_state, cu_q, cu_kv, *padded = saved
     grads = fused_attn_bwd(
-        list(qkv), out, d_out, stats, rng_state, *cu_seqlens, *ctx.max_seqlens, ctx.config
+        list(qkv), out, d_out, stats, rng_state, cu_q, cu_kv, padded, ctx.max_seqlens, ctx.config
     )
     return {"qkv": list(grads)}
 

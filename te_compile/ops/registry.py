@@ -64,11 +64,12 @@ class Op:
     def autograd(self, setup_context: Callable, backward: Callable) -> None:
         """`setup_context(ctx, a, output)` gets the arguments by name; `backward(ctx, *grads)`
         returns {argument name: gradient} for the differentiable inputs it computed. Every other
-        argument gets None (a tensor list: a list of None of its length)."""
+        argument gets None (a list of tensors: a list of None of its length; torch takes any
+        other list, of ints or holding a None, as one value whose gradient is None)."""
         params = self.params
 
         def _setup(ctx, inputs, output):
-            ctx.list_lengths = [len(v) if isinstance(v, list) else -1 for v in inputs]
+            ctx.list_lengths = [len(v) if _is_tensor_list(v) else -1 for v in inputs]
             setup_context(ctx, self.args(inputs), output)
 
         def _backward(ctx, *grads):
@@ -81,6 +82,10 @@ class Op:
         torch.library.register_autograd(
             f"{NAMESPACE}::{self.name}", _backward, setup_context=_setup, lib=_LIB
         )
+
+
+def _is_tensor_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(t, torch.Tensor) for t in v)
 
 
 def op(*, mutates: tuple[str, ...] = (), tags: tuple = ()) -> Callable[[Callable], Op]:

@@ -76,8 +76,8 @@ def test_dpa_separate_qkv(fmt, mask, groups, patched, graph_breaks):
     assert args["bottom_right_diagonal"] is (mask != "causal")
     assert args["backend"] == 1  # cuDNN F16_arbitrary_seqlen, as TE picks on Hopper
     assert args["attn_scale"] == pytest.approx(D**-0.5)
-    assert (args["max_seqlen_q"], args["max_seqlen_kv"]) == (S, S)
-    assert args["cu_seqlens_q_padded"] is None  # TE passes padded ones only for padding masks
+    assert args["max_seqlens"] == [S, S]
+    assert args["cu_seqlens_padded"] == [None, None]  # TE passes padded ones only for padding masks
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
@@ -105,7 +105,7 @@ def test_dpa_packed_kv_layer(patched, graph_breaks):
     assert q.grad.shape == q.shape and kv.grad.shape == kv.shape
     args = attn_node(rec)
     assert args["qkv_layout"] == "sbhd_sb2hd"
-    assert (args["max_seqlen_q"], args["max_seqlen_kv"]) == (S, 2 * S)
+    assert args["max_seqlens"] == [S, 2 * S]
 
 
 @pytest.mark.parametrize("mask", ["padding", "padding_causal"])
@@ -118,7 +118,7 @@ def test_dpa_padding_mask_and_cu_seqlens(mask, patched, graph_breaks):
         )
         args = attn_node(rec)
         assert args["attn_mask_type"] == mask
-        assert args["cu_seqlens_q_padded"] is not None  # TE: padded = plain for padding masks
+        assert args["cu_seqlens_padded"][0] is not None  # TE: padded = plain for padding masks
         cu = torch.tensor([0, 20, 40], dtype=torch.int32, device="cuda")
         rec2, _ = compile_joint(
             lambda q, k, v: dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), q, k, v
@@ -357,7 +357,7 @@ def _call_fwd_kernel(layout="sb3hd"):
 
     qkv = [torch.zeros(4, 2, 3, 1, 8)] if layout == "sb3hd" else [torch.zeros(4, 2, 1, 8)] * 3
     cfg = cases.fused_attn_spec(layout, "causal")
-    return attn_ops.fused_attn_fwd.impl(qkv, None, None, None, None, 4, 4, cfg.key)
+    return attn_ops.fused_attn_fwd.impl(qkv, None, None, [None, None], [4, 4], cfg.key)
 
 
 @pytest.mark.parametrize("capturing", [False, True])
