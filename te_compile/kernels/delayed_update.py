@@ -38,8 +38,12 @@ def amax_and_scale_update(
     if latest is not None and reduce_group:
         raise ValueError("pass `latest` already reduced, or `reduce_group`, not both")
     reduced = latest is not None or bool(reduce_group)
-    # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated.
-    if latest is None:
+    # Same layout TE hands its kernel: the latest amaxes of all tensors, concatenated. One
+    # history (a module's own backward update) needs no copy: its row 0 is that buffer, and
+    # TE's kernel reads each latest amax before its in-place roll writes row 0.
+    if latest is None and len(amax_histories) == 1:
+        latest = amax_histories[0][0]
+    elif latest is None:
         latest = torch.cat([h[0] for h in amax_histories])
     if reduce_group:
         all_reduce_max(latest, reduce_group)
