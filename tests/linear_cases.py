@@ -23,8 +23,9 @@ def fwd_args(config: str, bias: bool, delayed: bool, cached_weight: bool = False
         fwd_state = [torch.ones(3, device="cuda"), torch.rand(3, device="cuda")]
         bwd_state = [torch.ones(2, device="cuda"), torch.rand(4, 2, device="cuda")]
     cache = weight_cache_args(config, w, fwd_state)[1] if cached_weight else []
+    delayed_state = [*fwd_state[:1], *bwd_state]  # the forward scale, the backward state
     return (
-        *(x, w, b, fwd_state, bwd_state, cache, None, config, torch.bfloat16, True, True, True),
+        *(x, w, b, delayed_state, cache, None, config, torch.bfloat16, True, True, True),
         "",  # parallel: no tensor parallelism
     )
 
@@ -45,10 +46,10 @@ OUT_IN = (OUT, IN)
 
 def bwd_args(fwd: tuple) -> tuple:
     """linear_bwd arguments for the results of linear_fwd(*fwd)."""
-    x, w, b, fwd_state, bwd_state, cache, main_grad, config, *_ = fwd
+    x, w, b, delayed_state, cache, main_grad, config, *_ = fwd
     with torch.no_grad():
         out, *parts = torch.ops.te_compile.linear_fwd(*fwd)
-    if fwd_state:
+    if delayed_state:
         parts = parts[:-1]  # the returned forward amaxes
     fp8 = QuantConfig.from_key(config).fp8
 
@@ -61,7 +62,7 @@ def bwd_args(fwd: tuple) -> tuple:
         saved(w),
         saved(b),
         parts,
-        bwd_state,
+        delayed_state[1:],  # bwd_state
         main_grad,
         config,
         torch.bfloat16,

@@ -7,7 +7,7 @@ import torch
 
 from te_compile.kernels import activation
 from te_compile.ops.layernorm_mlp import MLPSpec
-from te_compile.ops.layernorm_mlp_layout import SaveFlags
+from te_compile.ops.layernorm_mlp_layout import MLPFlags
 from te_compile.recipes import QuantConfig
 from te_compile.spec import NormSpec
 
@@ -43,10 +43,10 @@ def fwd_args(config: str, keys: dict, bias: bool, delayed: bool, save=(True,) * 
     def param(*shape):
         return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-    fwd_state, bwd_state = [], []
+    delayed_state = []  # forward scale, backward scale and amax history
     if delayed:
-        fwd_state = [torch.ones(6, device="cuda"), torch.rand(6, device="cuda")]
-        bwd_state = [torch.ones(4, device="cuda"), torch.rand(4, 4, device="cuda")]
+        delayed_state = [torch.ones(6, device="cuda"), torch.ones(4, device="cuda")]
+        delayed_state.append(torch.rand(4, 4, device="cuda"))
     return dict(
         inp=param(2, TOKENS // 2, HIDDEN),
         ln_weight=param(HIDDEN),
@@ -55,8 +55,7 @@ def fwd_args(config: str, keys: dict, bias: bool, delayed: bool, save=(True,) * 
         fc1_bias=param(fc1_out) if bias else None,
         fc2_weight=param(HIDDEN, FFN),
         fc2_bias=param(HIDDEN) if bias else None,
-        fwd_state=fwd_state,
-        bwd_state=bwd_state,
+        delayed_state=delayed_state,
         fc1_cache=[],
         fc2_cache=[],
         fc1_main_grad=None,
@@ -64,8 +63,7 @@ def fwd_args(config: str, keys: dict, bias: bool, delayed: bool, save=(True,) * 
         config=config,
         **keys,
         out_dtype=torch.bfloat16,
-        **SaveFlags(*save)._asdict(),
-        accumulate=True,
+        flags=MLPFlags(*save, accumulate=True).key,
         parallel="",
     )
 
@@ -79,9 +77,10 @@ def bwd_args(fwd: dict) -> dict:
     with torch.no_grad():
         outputs = torch.ops.te_compile.layernorm_mlp_fwd(**fwd)
     n_out = 2 if m.return_ln else 1
-    saved = list(outputs[n_out : len(outputs) - (1 if fwd["fwd_state"] else 0)])
-    if m.return_ln and not fp8 and fwd["save_fc1_input"]:  # FC1's input: the returned norm output
-        k = (2 if layer_norm else 1) if fwd["save_norm"] else 0
+    saved = list(outputs[n_out : len(outputs) - (1 if fwd["delayed_state"] else 0)])
+    flags = MLPFlags.from_key(fwd["flags"])
+    if m.return_ln and not fp8 and flags.save_fc1_input:  # FC1's input: the returned norm output
+        k = (2 if layer_norm else 1) if flags.save_norm else 0
         saved = saved[:k] + [outputs[1].view(-1, HIDDEN)] + saved[k:]
 
     def detached(name, high_precision_only=False):
@@ -95,19 +94,17 @@ def bwd_args(fwd: dict) -> dict:
         fc1_weight=detached("fc1_weight", high_precision_only=True),
         fc2_weight=detached("fc2_weight", high_precision_only=True),
         saved=saved,
-        bwd_state=fwd["bwd_state"],
+        bwd_state=fwd["delayed_state"][1:],
         fc1_main_grad=None,
         fc2_main_grad=None,
         config=fwd["config"],
         norm=fwd["norm"],
         mlp=fwd["mlp"],
-        out_dtype=torch.bfloat16,
         fc1_features=fwd["fc1_weight"].shape[0],
-        **{name: fwd[name] for name in SaveFlags._fields},
+        flags=fwd["flags"],
         needs_norm_grads=True,
         needs_fc1_wgrad=True,
         needs_fc1_dbias=True,
         needs_fc2_wgrad=True,
-        accumulate=True,
         parallel="",
     )

@@ -54,8 +54,7 @@ def lnl_fwd_args(
         ln_bias=norm["bias"],
         weight=lin["weight"],
         bias=lin["bias"],
-        fwd_state=lin["fwd_state"],
-        bwd_state=lin["bwd_state"],
+        delayed_state=lin["delayed_state"],
         weight_cache=lin["weight_cache"],
         main_grad=None,
         norm=norm["norm"],
@@ -73,7 +72,7 @@ def lnl_bwd_args(fwd: dict) -> dict:
     cfg = QuantConfig.from_key(fwd["config"])
     with torch.no_grad():
         out, mu, rsigma, *rest = torch.ops.te_compile.layernorm_linear_fwd(**fwd)
-    if fwd["fwd_state"]:
+    if fwd["delayed_state"]:
         rest = rest[:-1]  # the returned forward amaxes
     return_ln_out = fwd["return_ln_out"]
     has_ln_out = return_ln_out or not cfg.fp8
@@ -96,7 +95,7 @@ def lnl_bwd_args(fwd: dict) -> dict:
         weight=fwd["weight"].detach() if hp else None,
         bias=b.detach() if hp and b is not None else None,
         parts=parts,
-        bwd_state=fwd["bwd_state"],
+        bwd_state=fwd["delayed_state"][1:],
         main_grad=fwd["main_grad"],
         norm=fwd["norm"],
         config=fwd["config"],

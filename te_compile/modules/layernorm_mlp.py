@@ -25,10 +25,11 @@ from .. import (
 from ..graph_fp8 import mlp as graph_mlp
 from ..kernels import activation
 from ..ops.layernorm_mlp import MLPSpec
+from ..ops.layernorm_mlp_layout import MLPFlags
 from ..patching import Swap
 from ..recipes import QuantConfig
 from ..spec import NormSpec
-from . import checkpointing, fp8_params, gemm_common, persistent_state, tensor_parallel
+from . import checkpointing, fp8_params, gemm_common, linear, persistent_state, tensor_parallel
 
 NAME = "te.LayerNormMLP"
 
@@ -69,8 +70,6 @@ def _check_mlp_options(m, cfg: QuantConfig) -> None:
 
 
 def _check_input(m, inp: torch.Tensor, fp8: bool) -> None:
-    from . import linear
-
     if gemm_common.is_quantized(inp):
         raise _unsupported("a quantized input tensor", "pass a high-precision tensor")
     gemm_common.check_device(linear.DEVICE_TYPES, inp, m.fc1_weight, m.fc2_weight)
@@ -116,11 +115,6 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     b2 = self.fc2_bias if self.use_bias else None
     b2_fused = b2 if self.apply_bias and not self.gemm_bias_unfused_add else None
     grad = torch.is_grad_enabled()
-    # What backward reads, decided as eager TE decides it (from requires_grad at forward).
-    save_norm = grad and (inp.requires_grad or ln_w.requires_grad or _requires_grad(ln_b))
-    save_fc1_input = grad and w1.requires_grad
-    save_fc1_out = grad and (save_norm or w1.requires_grad or _requires_grad(b1))
-    save_fc2_input = grad and w2.requires_grad
     fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
 
     if fp8 and is_first_microbatch is not None and not gemm_common.is_quantized(w2):
@@ -138,8 +132,6 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     fuse = self.fuse_wgrad_accumulation
     main1 = w1.main_grad if fuse and w1.requires_grad else None
     main2 = w2.main_grad if fuse and w2.requires_grad else None
-    # fuse_wgrad_accumulation adds to main_grad, except on a first microbatch (TE's rule).
-    accumulate = not is_first_microbatch if is_first_microbatch is not None else True
 
     norm = NormSpec(
         normalization=self.normalization,
@@ -166,15 +158,8 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         return_ln=self.return_layernorm_output,
     )
     outputs = torch.ops.te_compile.layernorm_mlp_fwd(
-        inp,
-        ln_w,
-        ln_b,
-        op_w1,
-        b1,
-        op_w2,
-        b2_fused,
-        fwd_state=gemm_common.forward_op_state(fwd_state),
-        bwd_state=bwd_state,
+        *(inp, ln_w, ln_b, op_w1, b1, op_w2, b2_fused),
+        delayed_state=linear.delayed_op_state(fwd_state, bwd_state),
         fc1_cache=fc1_cache,
         fc2_cache=fc2_cache,
         fc1_main_grad=main1,
@@ -183,16 +168,28 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         norm=norm.key,
         mlp=mlp.key,
         out_dtype=act_dtype,
-        save_norm=save_norm,
-        save_fc1_input=save_fc1_input,
-        save_fc1_out=save_fc1_out,
-        save_fc2_input=save_fc2_input,
-        accumulate=accumulate,
+        flags=_flags(self, inp, grad, is_first_microbatch).key,
         parallel=parallel,
     )
     gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
     ln_out = outputs[1] if self.return_layernorm_output else None
     return _returned(self, outputs[0], b2, act_dtype, ln_out)
+
+
+def _flags(m, inp, grad: bool, is_first_microbatch) -> MLPFlags:
+    """What backward reads, decided as eager TE decides it (from requires_grad at forward), and
+    whether fuse_wgrad_accumulation adds to main_grad (always, but on a first microbatch)."""
+    norm_inputs = (inp, m.layer_norm_weight, m.layer_norm_bias)
+    save_norm = grad and any(_requires_grad(t) for t in norm_inputs)
+    w1, w2 = m.fc1_weight, m.fc2_weight
+    b1 = m.fc1_bias if m.use_bias else None
+    return MLPFlags(
+        save_norm=save_norm,
+        save_fc1_input=grad and w1.requires_grad,
+        save_fc1_out=grad and (save_norm or w1.requires_grad or _requires_grad(b1)),
+        save_fc2_input=grad and w2.requires_grad,
+        accumulate=not is_first_microbatch if is_first_microbatch is not None else True,
+    )
 
 
 def _returned(m, out, b2, act_dtype, ln_out):

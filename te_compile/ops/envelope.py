@@ -21,6 +21,12 @@ def fake_results(like: torch.Tensor, dtype: torch.dtype, *shapes) -> tuple[torch
     )
 
 
+def fake_gemm_call(a) -> SimpleNamespace:
+    """A one-GEMM forward op's call `a` as kernels/single_gemm.fake_single_forward reads it:
+    its `fwd_state` is the forward scale heading `delayed_state`."""
+    return SimpleNamespace(**vars(a), fwd_state=a.delayed_state[:1])
+
+
 def ride_along(a) -> SimpleNamespace:
     """What a GEMM op's backward reads from its forward call's arguments `a`, besides saved
     tensors: the plain values, and the state backward mutates (DelayedScaling's backward state,
@@ -31,7 +37,8 @@ def ride_along(a) -> SimpleNamespace:
     )
 
 
-_MUTATED_IN_BACKWARD = frozenset({"bwd_state", "main_grad", "fc1_main_grad", "fc2_main_grad"})
+# (`delayed_state`: its backward [scale, amax_history])
+_MUTATED_IN_BACKWARD = frozenset({"delayed_state", "main_grad", "fc1_main_grad", "fc2_main_grad"})
 
 
 def _holds_tensor(v) -> bool:

@@ -11,7 +11,8 @@ GEMM layer (gemm_layer.py, the code te.Linear's ops run).
 (the module casts, as eager TE does inside its autograd.Function); the output has that dtype.
 mu is empty for RMSNorm. `ln_out` (the high-precision norm output) is an output when the
 module returns it (`return_ln_out`) or, without FP8, when wgrad reads it. `norm` is
-`NormSpec.key`; state, caches, main_grad, `config` and the saved parts are as in linear.py.
+`NormSpec.key`; `delayed_state`, caches, main_grad, `config` and the saved parts are as in
+linear.py.
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def layernorm_linear_fwd(
     ln_bias: Tensor | None,
     weight: Tensor,
     bias: Tensor | None,
-    fwd_state: list[Tensor],
-    bwd_state: list[Tensor],
+    delayed_state: list[Tensor],
     weight_cache: list[Tensor],
     main_grad: Tensor | None,
     norm: str,
@@ -51,12 +51,12 @@ def layernorm_linear_fwd(
     accumulate: bool,
     parallel: str,
 ) -> list[Tensor]:
-    """norm(inp) @ weight.T + bias. DelayedScaling: `fwd_state` = [scale]; this call's amaxes
-    are returned last (see linear.linear_fwd). `parallel`: as linear_fwd's (column-parallel
+    """norm(inp) @ weight.T + bias. DelayedScaling: this call's amaxes are returned last (see
+    linear.linear_fwd). `parallel`: as linear_fwd's (column-parallel
     only: the norm runs on this rank's rows, its output is all-gathered under sequence
     parallelism)."""
     cfg = QuantConfig.from_key(config)
-    state = gemm_layer.fresh_amax_state(fwd_state)
+    state = gemm_layer.fresh_amax_state(delayed_state[:1])
     tp = tensor_parallel.decode(parallel)
     x, ln_out, mu, rsigma = norm_for_gemm(
         inp,
@@ -89,7 +89,8 @@ def _(a):
     stats = [inp.new_empty(mu, dtype=torch.float32), inp.new_empty(rsigma, dtype=torch.float32)]
     kept = [torch.empty_like(inp)] if _has_ln_out(cfg, a.save_input, a.return_ln_out) else []
     tp = tensor_parallel.decode(a.parallel)
-    return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept, tp=tp)
+    call = envelope.fake_gemm_call(a)
+    return single_gemm.fake_single_forward(call, cfg, inp.dtype, *stats, *kept, tp=tp)
 
 
 @op(mutates=("bwd_state", "main_grad"))
@@ -171,7 +172,7 @@ def _setup_context(ctx, a, output) -> None:
     has_ln_out = _has_ln_out(cfg, a.save_input, a.return_ln_out)
     ln_out = rest[0] if has_ln_out else None
     after_ln_out = rest[1 if has_ln_out else 0 :]
-    parts = after_ln_out[: len(after_ln_out) - len(a.fwd_state[:1])]  # not the returned amaxes
+    parts = after_ln_out[: len(after_ln_out) - len(a.delayed_state[:1])]  # not the returned amaxes
     non_diff = [mu, rsigma, *after_ln_out]
     if ln_out is not None and not a.return_ln_out:
         non_diff.append(ln_out)
@@ -206,7 +207,7 @@ def _backward(ctx, grads):
         grads[3] if a.return_ln_out else None,  # [out, mu, rsigma, ln_out, ...]
         *saved[:7],
         list(saved[7:]),
-        *(a.bwd_state, a.main_grad, a.norm, a.config, ctx.n_input_parts, ctx.has_bias),
+        *(a.delayed_state[1:], a.main_grad, a.norm, a.config, ctx.n_input_parts, ctx.has_bias),
         *(needs_norm_grads, needs_wgrad, a.accumulate, a.parallel),
     )
     return {

@@ -5,7 +5,8 @@
                          empty ([0]) when not computed (a mutating op may not return a list)
 
 `config` is the recipe (`QuantConfig.key`), `norm` the norm's options (`NormSpec.key`), `mlp`
-the activation's (`MLPSpec.key`). Mutated in place by the backward op: DelayedScaling's
+the activation's (`MLPSpec.key`), `flags` the call's save and accumulate flags
+(`layernorm_mlp_layout.MLPFlags.key`). Mutated in place by the backward op: DelayedScaling's
 TE-owned backward scale and amax history, the GEMM weights' `main_grad` under
 fuse_wgrad_accumulation.
 
@@ -63,8 +64,7 @@ def layernorm_mlp_fwd(
     fc1_bias: Tensor | None,
     fc2_weight: Tensor,
     fc2_bias: Tensor | None,
-    fwd_state: list[Tensor],
-    bwd_state: list[Tensor],
+    delayed_state: list[Tensor],
     fc1_cache: list[Tensor],
     fc2_cache: list[Tensor],
     fc1_main_grad: Tensor | None,
@@ -73,24 +73,35 @@ def layernorm_mlp_fwd(
     norm: str,
     mlp: str,
     out_dtype: torch.dtype,
-    save_norm: bool,
-    save_fc1_input: bool,
-    save_fc1_out: bool,
-    save_fc2_input: bool,
-    accumulate: bool,
+    flags: str,
     parallel: str,
 ) -> list[Tensor]:
-    """DelayedScaling: `fwd_state` = [scale] of the six forward slots; this call's amaxes are
-    returned last for the caller to max-merge into TE's history; `bwd_state` (backward slots'
-    [scale, amax_history]), the main grads and `accumulate` ride along to the backward op.
-    `parallel`: FC1's ParallelSpec key (column; FC2 is row-parallel) or ""."""
+    """DelayedScaling: `delayed_state` = [scale] of the six forward slots, then the backward
+    slots' [scale, amax_history] (see linear.linear_fwd); this call's amaxes are returned last
+    for the caller to max-merge into TE's history. `parallel`: FC1's ParallelSpec key (column;
+    FC2 is row-parallel) or ""."""
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
-    fc1_tp, fc2_tp = tensor_parallel.decode_pair(parallel)
+    f = layout.MLPFlags.from_key(flags)
+    tps = tensor_parallel.decode_pair(parallel)
     dev = inp.device.index
     hidden = ln_weight.numel()
     x = gemm_layer.cast(inp.reshape(-1, hidden), out_dtype)
     gamma, beta = gemm_layer.cast(ln_weight, out_dtype), gemm_layer.cast(ln_bias, out_dtype)
-    state = gemm_layer.fresh_amax_state(fwd_state)
+    state = gemm_layer.fresh_amax_state(delayed_state[:1])
+
+    def gemm_forward(gemm, x_in, weight, bias, cache, save_input, save_weight, x_shape):
+        return gemm_layer.forward(
+            *(x_in, weight, bias, cfg),
+            state=state,
+            weight_cache=cache,
+            save_input=save_input,
+            save_weight=save_weight,
+            out_dtype=out_dtype,
+            x_shape=x_shape,
+            device_index=dev,
+            gemm=gemm,
+            tp=tps[gemm],
+        )
 
     # Norm, with FC1's input quantization fused in unless its high-precision output is returned.
     ln_out, ln_out_hp, mu, rsigma = norm_for_gemm(
@@ -100,61 +111,40 @@ def layernorm_mlp_fwd(
         cfg,
         n,
         state=state,
-        columnwise=save_fc1_input,
+        columnwise=f.save_fc1_input,
         return_hp=m.return_ln,
         gemm=FC1,
-        tp=fc1_tp,
+        tp=tps[FC1],
     )
 
     # FC1. TE's bias-GeLU fusion adds the bias in the activation instead of the GEMM.
-    fc1_out, fc1_saved = gemm_layer.forward(
-        ln_out,
-        fc1_weight,
-        None if m.bias_gelu else fc1_bias,
-        cfg,
-        state=state,
-        weight_cache=fc1_cache,
-        save_input=save_fc1_input,
-        save_weight=save_norm,
-        out_dtype=out_dtype,
-        x_shape=x.shape,
-        device_index=dev,
-        gemm=FC1,
-        tp=fc1_tp,
+    fc1_bias_in_gemm = None if m.bias_gelu else fc1_bias
+    fc1_out, fc1_saved = gemm_forward(
+        *(FC1, ln_out, fc1_weight, fc1_bias_in_gemm, fc1_cache),
+        *(f.save_fc1_input, f.save_norm, x.shape),
     )
     if cfg.fp8:  # FC1's saved parts: input's column-wise half first, then the weight's
-        n_in = columnwise_count(cfg) if save_fc1_input else 0
+        n_in = columnwise_count(cfg) if f.save_fc1_input else 0
         fc1_in_parts, fc1_w_parts = fc1_saved[:n_in], fc1_saved[n_in:]
     else:
-        fc1_in_parts, fc1_w_parts = ([ln_out] if save_fc1_input else []), []
+        fc1_in_parts, fc1_w_parts = ([ln_out] if f.save_fc1_input else []), []
 
     # Activation (+ FC2's input quantization), then FC2.
     if m.bias_gelu:
         act_out = activation.bias_gelu(fc1_out, gemm_layer.cast(fc1_bias, out_dtype))
     else:
         act_out = activation.forward(fc1_out, cfg, m.activation, m.params, state=state)
-    if save_fc2_input and cfg.per_tensor and cfg.fp8_transpose:
+    if f.save_fc2_input and cfg.per_tensor and cfg.fp8_transpose:
         # TE's FC2 input quantizer is row-wise only; its backward makes the transpose from the
         # FP8 data (fp8_transpose, same bytes). Made here so it can be saved as a plain tensor.
         act_out.update_usage(columnwise_usage=True)
-    out, fc2_saved = gemm_layer.forward(
-        act_out,
-        fc2_weight,
-        fc2_bias,
-        cfg,
-        state=state,
-        weight_cache=fc2_cache,
-        save_input=save_fc2_input,
-        save_weight=save_fc1_out,
-        out_dtype=out_dtype,
-        x_shape=(fc1_out.shape[0], fc2_weight.shape[1]),
-        device_index=dev,
-        gemm=FC2,
-        tp=fc2_tp,
+    out, fc2_saved = gemm_forward(
+        *(FC2, act_out, fc2_weight, fc2_bias, fc2_cache),
+        *(f.save_fc2_input, f.save_fc1_out, (fc1_out.shape[0], fc2_weight.shape[1])),
     )
     if not cfg.fp8:
-        fc2_saved = [act_out] if save_fc2_input else []
-    n_fc2_in = columnwise_count(cfg) if save_fc2_input else 0
+        fc2_saved = [act_out] if f.save_fc2_input else []
+    n_fc2_in = columnwise_count(cfg) if f.save_fc2_input else 0
 
     groups = {
         "mu": [mu],
@@ -165,9 +155,8 @@ def layernorm_mlp_fwd(
         "fc2_input": fc2_saved[:n_fc2_in] if cfg.fp8 else fc2_saved,
         "fc2_weight": fc2_saved[n_fc2_in:] if cfg.fp8 else [],
     }
-    flags = layout.SaveFlags(save_norm, save_fc1_input, save_fc1_out, save_fc2_input)
     saved = layout.returned(
-        layout.segments(cfg, n.normalization, flags),
+        layout.segments(cfg, n.normalization, f),
         layout.not_returned(cfg, m.return_ln, fc1_cache, fc2_cache),
         groups.__getitem__,
     )
@@ -184,7 +173,7 @@ def _(a):
     if m.return_ln:
         outputs.append(a.inp.new_empty(a.inp.shape, dtype=a.out_dtype))
     saved = layout.fake_returned(*layout.of_forward(cfg, n.normalization, m.return_ln, a), cfg, a)
-    return outputs + saved + [torch.empty_like(s) for s in a.fwd_state[:1]]  # the amaxes
+    return outputs + saved + [torch.empty_like(s) for s in a.delayed_state[:1]]  # the amaxes
 
 
 # ---- backward ----------------------------------------------------------------------------------
@@ -207,30 +196,28 @@ def layernorm_mlp_bwd(
     config: str,
     norm: str,
     mlp: str,
-    out_dtype: torch.dtype,
     fc1_features: int,
-    save_norm: bool,
-    save_fc1_input: bool,
-    save_fc1_out: bool,
-    save_fc2_input: bool,
+    flags: str,
     needs_norm_grads: bool,
     needs_fc1_wgrad: bool,
     needs_fc1_dbias: bool,
     needs_fc2_wgrad: bool,
-    accumulate: bool,
     parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Gradients of layernorm_mlp_fwd. `needs_norm_grads`: of the input or the norm's
-    parameters (FC1 dgrad and the norm backward run). `saved` holds every group of the forward's
-    save flags (layernorm_mlp_layout.py). Weights are passed without FP8 only (FP8 operands come
-    from `saved`); biases always (their presence decides TE's dbias work). DelayedScaling:
-    `bwd_state` = [scale, amax_history] of TE's backward slots, updated at the end."""
+    """Gradients of layernorm_mlp_fwd, in grad_out's dtype (autograd hands backward the
+    gradient in the dtype of the forward's output, its out_dtype). `needs_norm_grads`: of the
+    input or the norm's parameters (FC1 dgrad and the norm backward run). `saved` holds every
+    group of the forward's save flags (layernorm_mlp_layout.py). Weights are passed without FP8
+    only (FP8 operands come from `saved`); biases always (their presence decides TE's dbias
+    work). DelayedScaling: `bwd_state` = [scale, amax_history] of TE's backward slots, updated
+    at the end."""
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
+    f = layout.MLPFlags.from_key(flags)
+    out_dtype = grad_out.dtype
     dev = grad_out.device.index
     hidden = grad_out.shape[-1]
     needs_act = needs_norm_grads or needs_fc1_wgrad or needs_fc1_dbias
-    flags = layout.SaveFlags(save_norm, save_fc1_input, save_fc1_out, save_fc2_input)
-    s = layout.split(saved, layout.segments(cfg, n.normalization, flags))
+    s = layout.split(saved, layout.segments(cfg, n.normalization, f))
     g = grad_out.reshape(-1, hidden)
     if not g.is_contiguous():
         g = g.contiguous()
@@ -256,7 +243,7 @@ def layernorm_mlp_bwd(
             has_bias=bias is not None,
             needs_dgrad=needs_dgrad,
             needs_wgrad=needs_wgrad,
-            accumulate=accumulate,
+            accumulate=f.accumulate,
             device_index=dev,
             gemm=gemm,
             tp=tps[gemm],
@@ -321,7 +308,7 @@ def _(a):
     cfg, n, m = _specs(a)
     computed = layout.computed_grads(cfg, n.normalization, m.bias_gelu, a)
     shapes = layout.grad_shapes(a, m.activation)
-    return envelope.fake_results(a.grad_out, a.out_dtype, *zip(shapes, computed, strict=True))
+    return envelope.fake_results(a.grad_out, a.grad_out.dtype, *zip(shapes, computed, strict=True))
 
 
 # ---- autograd ----------------------------------------------------------------------------------
@@ -330,12 +317,13 @@ def _(a):
 def _setup_context(ctx, a, output) -> None:
     cfg, n, m = ctx.specs = _specs(a)
     ctx.a = envelope.ride_along(a)  # the plain values and the state backward mutates
+    f = layout.MLPFlags.from_key(a.flags)
     ctx.fc1_features = a.fc1_weight.shape[0]
     n_out = 2 if m.return_ln else 1
     ctx.mark_non_differentiable(*output[n_out:])
     saved = layout.for_backward(
         *layout.of_forward(cfg, n.normalization, m.return_ln, a),
-        list(output[n_out : len(output) - len(a.fwd_state[:1])]),  # not the returned amaxes
+        list(output[n_out : len(output) - len(a.delayed_state[:1])]),  # not the returned amaxes
         {
             "fc1_input": lambda: [output[1].view(-1, output[1].shape[-1])],
             "fc1_weight": lambda: weight_cache_columnwise(a.fc1_cache, cfg),
@@ -344,11 +332,11 @@ def _setup_context(ctx, a, output) -> None:
     )
     hp_weights = not cfg.fp8  # without FP8 the GEMMs read the op's own weights
     ctx.save_for_backward(
-        a.inp if a.save_norm else None,
-        a.ln_weight if a.save_norm else None,
-        a.fc1_weight if a.save_norm and hp_weights else None,
+        a.inp if f.save_norm else None,
+        a.ln_weight if f.save_norm else None,
+        a.fc1_weight if f.save_norm and hp_weights else None,
         a.fc1_bias,
-        a.fc2_weight if a.save_fc1_out and hp_weights else None,
+        a.fc2_weight if f.save_fc1_out and hp_weights else None,
         a.fc2_bias,
         *saved,
     )
@@ -357,12 +345,7 @@ def _setup_context(ctx, a, output) -> None:
 # The forward's inputs setup_context saves (None where backward does not read them, then the
 # saved groups) and the forward's arguments passed to the backward op unchanged.
 _SAVED_INPUTS = ("inp", "ln_weight", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
-_FROM_FORWARD = (
-    *("bwd_state", "fc1_main_grad", "fc2_main_grad", "config", "norm", "mlp", "out_dtype"),
-    *layout.SaveFlags._fields,
-    "accumulate",
-    "parallel",
-)
+_FROM_FORWARD = ("fc1_main_grad", "fc2_main_grad", "config", "norm", "mlp", "flags", "parallel")
 
 
 def _backward(ctx, grads):
@@ -377,6 +360,7 @@ def _backward(ctx, grads):
         grad_ln_out=grads[1] if m.return_ln else None,
         **dict(zip(_SAVED_INPUTS, ctx.saved_tensors, strict=False)),
         saved=list(ctx.saved_tensors[len(_SAVED_INPUTS) :]),
+        bwd_state=ctx.a.delayed_state[1:],  # DelayedScaling's backward [scale, amax_history]
         fc1_features=ctx.fc1_features,
         needs_norm_grads=needs_x or needs_gamma or needs_beta,
         needs_fc1_wgrad=needs_w1,

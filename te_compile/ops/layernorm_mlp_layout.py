@@ -1,8 +1,9 @@
 """What crosses between te.LayerNormMLP's ops: the tensors backward reads (saved by forward)
 and the gradients backward computes.
 
-Both ops take the same four save flags by name (`SaveFlags`), decided from requires_grad at
-forward as eager TE decides them: `save_norm` (the input or norm parameters need grads: FC1
+Both ops take the same per-call flags as one key (`MLPFlags.key`): four save flags, decided
+from requires_grad at forward as eager TE decides them, and `accumulate` (fuse_wgrad_accumulation
+adds to main_grad). `save_norm` (the input or norm parameters need grads: FC1
 dgrad and the norm backward), `save_fc1_input` (FC1 wgrad), `save_fc1_out` (anything before FC2
 needs grads: FC2 dgrad and the activation backward), `save_fc2_input` (FC2 wgrad). The groups,
 in order (`segments`): mu (LayerNorm), rsigma, FC1 input, FC1 weight, FC1 output, FC2 input,
@@ -22,7 +23,6 @@ not compute (`computed_grads`).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 
@@ -30,23 +30,23 @@ from ..kernels import gemm_layer, tensor_parallel
 from ..kernels.activation import output_features
 from ..kernels.fp8_operands import columnwise_count, fake_columnwise_parts
 from ..recipes import QuantConfig
+from ..spec import Spec, labelled, spec
 
 Segments = tuple[tuple[str, int], ...]  # (group name, tensor count)
 
 
-class SaveFlags(NamedTuple):
-    save_norm: bool
-    save_fc1_input: bool
-    save_fc1_out: bool
-    save_fc2_input: bool
+@spec
+class MLPFlags(Spec):
+    """What one call saves for backward and how its wgrads land in main_grad."""
 
-    @classmethod
-    def of(cls, a) -> SaveFlags:
-        """The flags among an op call's arguments `a` (both ops name them alike)."""
-        return cls(*(getattr(a, name) for name in cls._fields))
+    save_norm: bool = labelled("norm", False)
+    save_fc1_input: bool = labelled("fc1_in", False)
+    save_fc1_out: bool = labelled("fc1_out", False)
+    save_fc2_input: bool = labelled("fc2_in", False)
+    accumulate: bool = labelled("acc", True)
 
 
-def segments(cfg: QuantConfig, normalization: str, flags: SaveFlags) -> Segments:
+def segments(cfg: QuantConfig, normalization: str, flags: MLPFlags) -> Segments:
     n = columnwise_count(cfg)
     operand = n if cfg.fp8 else 1  # an FP8 operand's column-wise parts, or one tensor
     return (
@@ -74,7 +74,7 @@ def not_returned(cfg: QuantConfig, return_ln: bool, fc1_cache: list, fc2_cache: 
 def of_forward(cfg: QuantConfig, normalization: str, return_ln: bool, a) -> tuple[Segments, set]:
     """(segments, not returned groups) of the forward op's call `a`."""
     skip = not_returned(cfg, return_ln, a.fc1_cache, a.fc2_cache)
-    return segments(cfg, normalization, SaveFlags.of(a)), skip
+    return segments(cfg, normalization, MLPFlags.from_key(a.flags)), skip
 
 
 def returned(segs: Segments, skip: set, group: Callable[[str], list]) -> list:

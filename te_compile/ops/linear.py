@@ -5,7 +5,9 @@
                   not return a list)
     quantize_weight: fills an FP8 weight cache in place
 
-`config` is `QuantConfig.key` (recipes.py). Mutated in place (`mutates`): DelayedScaling's
+`config` is `QuantConfig.key` (recipes.py). `delayed_state` holds DelayedScaling's tensors
+(empty for other recipes): a snapshot of the forward scale, then the backward [scale,
+amax_history] that ride along to the backward op. Mutated in place (`mutates`): that
 TE-owned backward scale and amax history, an FP8 weight cache, `weight.main_grad` under
 fuse_wgrad_accumulation.
 
@@ -36,8 +38,7 @@ def linear_fwd(
     inp: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    fwd_state: list[Tensor],
-    bwd_state: list[Tensor],
+    delayed_state: list[Tensor],
     weight_cache: list[Tensor],
     main_grad: Tensor | None,
     config: str,
@@ -49,14 +50,13 @@ def linear_fwd(
 ) -> list[Tensor]:
     """y = inp @ weight.T + bias, with FP8 operands when the config's kind is not "none".
 
-    DelayedScaling only: `fwd_state` = [scale] (a snapshot of TE's `scale` of the forward
-    slots); the op quantizes with those scales and returns this call's amaxes last, for the
-    caller to max-merge into TE's history (row 0). `bwd_state` = [scale, amax_history] of the
-    backward slots and `main_grad` (with `accumulate`, see linear_bwd) ride along to the
-    backward op. `parallel`: a ParallelSpec key (tensor parallelism, the communication
+    DelayedScaling only: the op quantizes with the forward scales heading `delayed_state` (a
+    snapshot of TE's `scale` of the forward slots) and returns this call's amaxes last, for the
+    caller to max-merge into TE's history (row 0). The backward slots' [scale, amax_history]
+    after it and `main_grad` (with `accumulate`, see linear_bwd) ride along to the backward op. `parallel`: a ParallelSpec key (tensor parallelism, the communication
     inside the op) or ""."""
     cfg = QuantConfig.from_key(config)
-    state = gemm_layer.fresh_amax_state(fwd_state)
+    state = gemm_layer.fresh_amax_state(delayed_state[:1])
     return single_gemm.single_forward(
         *(inp, weight, bias, cfg, state, weight_cache, save_input, save_weight),
         out_dtype=out_dtype,
@@ -69,7 +69,7 @@ def linear_fwd(
 def _(a):
     cfg = QuantConfig.from_key(a.config)
     tp = tensor_parallel.decode(a.parallel)
-    return single_gemm.fake_single_forward(a, cfg, a.out_dtype, tp=tp)
+    return single_gemm.fake_single_forward(envelope.fake_gemm_call(a), cfg, a.out_dtype, tp=tp)
 
 
 @op(mutates=("cache", "valid", "fwd_amax"))
@@ -172,7 +172,7 @@ def _setup_context(ctx, a, output) -> None:
     ctx.has_bias = a.bias is not None
     ctx.n_input_parts = columnwise_count(cfg) if a.save_input else 0
     ctx.mark_non_differentiable(*output[1:])
-    saved = list(output[1 : len(output) - len(a.fwd_state[:1])])  # not the returned amaxes
+    saved = list(output[1 : len(output) - len(a.delayed_state[:1])])  # not the returned amaxes
     if cfg.fp8:
         if a.save_weight and a.weight_cache:
             saved += weight_cache_columnwise(a.weight_cache, cfg)
@@ -197,7 +197,7 @@ def _backward(ctx, grads):
         weight,
         bias,
         parts,
-        a.bwd_state,
+        a.delayed_state[1:],  # the backward [scale, amax_history]
         a.main_grad,
         a.config,
         a.out_dtype,

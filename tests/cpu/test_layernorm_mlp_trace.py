@@ -3,8 +3,6 @@ fullgraph traces of the module, forward and joint backward, per recipe and optio
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import mlp_cases
 import pytest
 import torch
@@ -12,7 +10,7 @@ from transformer_engine.common import recipe as R
 
 import te_compile.ops  # noqa: F401  (registers the ops)
 from te_compile.ops import layernorm_mlp
-from te_compile.ops.layernorm_mlp_layout import SaveFlags
+from te_compile.ops.layernorm_mlp_layout import MLPFlags
 from te_compile.recipes import for_linear
 from te_compile.spec import NormSpec
 from te_compile_testing import op_args
@@ -252,7 +250,8 @@ def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
 
 
 def _save_flags(node) -> tuple[bool, ...]:
-    return tuple(SaveFlags.of(SimpleNamespace(**op_args(node))))
+    f = MLPFlags.from_key(op_args(node)["flags"])
+    return (f.save_norm, f.save_fc1_input, f.save_fc1_out, f.save_fc2_input)
 
 
 def _fwd_node(rec):
@@ -304,7 +303,7 @@ def test_weight_caches_per_gemm_over_microbatches(name, meta_gpu, graph_breaks):
         assert _targets(rec.fw).count("te_compile.quantize_weight.default") == 2
         args = op_args(_fwd_node(rec))
         assert args["fc1_cache"] and args["fc2_cache"]
-        assert args["accumulate"] is (not first)
+        assert MLPFlags.from_key(args["flags"]).accumulate is (not first)
     assert graph_breaks() == 0
     caches = mlp._te_compile_weight_caches
     assert sorted(k.split("|")[0] for k in caches) == ["fc1_weight", "fc2_weight"]
