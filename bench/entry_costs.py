@@ -25,11 +25,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from op_overhead import per_call_us  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 
+import te_compile  # noqa: E402
 from te_compile.kernels import extension as core  # noqa: E402
-from te_compile.kernels.fp8_operands import _storage_classes, quantizer  # noqa: E402
+from te_compile.kernels.aten_gemm import scaled_mm  # noqa: E402
+from te_compile.kernels.fp8_operands import _storage_classes, columnwise_count, quantizer  # noqa: E402
 from te_compile.modules.linear import _quant_config  # noqa: E402
 from te_compile.ops import registry  # noqa: E402
 from te_compile.recipes import QuantConfig  # noqa: E402
+from te_compile.spec import GemmGrads  # noqa: E402
 
 
 @functools.cache
@@ -93,9 +96,9 @@ def table(tokens: int, k: int, n: int) -> None:
         "tex.generic_gemm bf16": lambda: core.gemm(
             w, x, layout="TN", out_dtype=torch.bfloat16, split_accumulator=False, device_index=0
         ),
-        "tex.generic_gemm fp8": lambda: core.gemm(
-            wq, xq, layout="TN", out_dtype=torch.bfloat16, split_accumulator=False, device_index=0
-        ),
+        # te_compile's default for per-tensor FP8: aten._scaled_mm (kernels/aten_gemm.py)
+        "fp8 GEMM, aten _scaled_mm": lambda: scaled_mm(wq, xq, "TN", torch.bfloat16, False, None),
+        "fp8 GEMM, tex.generic_gemm": _te_gemm(wq, xq),
         "tex.quantize current, new storage": lambda: tex.quantize(x, q_in),
         "tex.quantize current, into fresh light storage": quantize_into_fresh,
         "tex.bgrad_quantize current": lambda: tex.bgrad_quantize(x, q_in),
@@ -126,24 +129,45 @@ def table(tokens: int, k: int, n: int) -> None:
         print(f"| {name} | {per_call_us(fn):.1f} |", flush=True)
 
 
+def _te_gemm(a, b):
+    """TE's generic_gemm for two FP8 storages (te_compile.configure(aten_fp8_gemm=False))."""
+
+    def call():
+        previous = te_compile.configure().aten_fp8_gemm
+        te_compile.configure(aten_fp8_gemm=False)
+        try:
+            return core.gemm(
+                a, b, layout="TN", out_dtype=torch.bfloat16, split_accumulator=False, device_index=0
+            )
+        finally:
+            te_compile.configure(aten_fp8_gemm=previous)
+
+    return call
+
+
 def _op_blocks(name, recipe, x, w) -> dict:
     """te_compile's linear ops at this shape, through torch.ops as compiled graphs call them."""
     n, k = w.shape
     key = _quant_config(recipe).key if recipe is not None else QuantConfig().key
     bias = torch.zeros(n, device=x.device, dtype=torch.bfloat16)
     xg = x.clone().requires_grad_(True)
-    fwd = (xg, w, bias, [], [], [], None, key, torch.bfloat16, True, True, False, "")
+    fwd = dict(inp=xg, weight=w, bias=bias, delayed_state=[], weight_cache=[], main_grad=None,
+               config=key, out_dtype=torch.bfloat16, save_input=True, save_weight=True,
+               accumulate=False, parallel="")  # fmt: skip
     with torch.no_grad():
-        out, *parts = torch.ops.te_compile.linear_fwd(*fwd)
+        out, *parts = torch.ops.te_compile.linear_fwd(**fwd)
     fp8 = recipe is not None
-    hp = [None] * 3 if fp8 else [x, w, bias]
-    bwd = (torch.randn_like(out), *hp, parts[:2], parts[2:], None, None, None, key,
-           torch.bfloat16, k, True, True, True, False)  # fmt: skip
+    n_input_parts = columnwise_count(QuantConfig.from_key(key)) if fp8 else 0
+    hp = dict(inp=None, weight=None, bias=None) if fp8 else dict(inp=x, weight=w, bias=bias)
+    bwd = dict(grad_out=torch.randn_like(out), **hp, parts=parts, bwd_state=[], main_grad=None,
+               config=key, out_dtype=torch.bfloat16, in_features=k,
+               grads=GemmGrads(True, True, True, False, n_input_parts).key,
+               parallel="")  # fmt: skip
     return {
         f"te_compile linear_fwd {name} (grad mode on)": (
-            lambda: torch.ops.te_compile.linear_fwd.default(*fwd)
+            lambda: torch.ops.te_compile.linear_fwd.default(**fwd)
         ),
-        f"te_compile linear_bwd {name}": lambda: torch.ops.te_compile.linear_bwd.default(*bwd),
+        f"te_compile linear_bwd {name}": lambda: torch.ops.te_compile.linear_bwd.default(**bwd),
     }
 
 

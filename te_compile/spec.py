@@ -100,6 +100,18 @@ class NormSpec(Spec):
 
 
 @spec
+class GemmGrads(Spec):
+    """What a one-GEMM backward op (te.Linear's, LayerNormLinear's) computes: decided from
+    `needs_input_grad` when autograd traces the backward, and from what the forward saved."""
+
+    has_bias: bool = labelled("bias", False)
+    dgrad: bool = True  # LayerNormLinear: the norm's gradients, which need dgrad
+    wgrad: bool = True
+    accumulate: bool = labelled("acc", False)  # wgrad adds to main_grad (fuse_wgrad_accumulation)
+    input_parts: int = labelled("in_parts", 0)  # the input's column-wise parts heading `parts`
+
+
+@spec
 class ParallelSpec(Spec):
     """A GEMM's tensor parallelism, as TE's tp_group / parallel_mode / sequence_parallel give
     it. "column": output features sharded; under sequence parallelism the input arrives

@@ -6,6 +6,7 @@ import torch
 
 from te_compile.kernels.fp8_operands import weight_cache_specs
 from te_compile.recipes import QuantConfig
+from te_compile.spec import GemmGrads
 
 IN, OUT = 128, 256
 
@@ -65,12 +66,8 @@ def bwd_args(fwd: tuple) -> tuple:
         delayed_state[1:],  # bwd_state
         main_grad,
         config,
+        GemmGrads(b is not None, True, True, True, len(parts) // 2).key,
         torch.bfloat16,
         IN,
-        len(parts) // 2,  # n_input_parts
-        b is not None,
-        True,
-        True,
-        True,
         "",  # parallel
     )

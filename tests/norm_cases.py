@@ -8,7 +8,7 @@ import torch
 
 from te_compile.ops.linear import linear_fwd
 from te_compile.recipes import QuantConfig
-from te_compile.spec import NormSpec
+from te_compile.spec import GemmGrads, NormSpec
 
 TOKENS, IN, OUT = 64, 128, 256
 
@@ -99,10 +99,6 @@ def lnl_bwd_args(fwd: dict) -> dict:
         main_grad=fwd["main_grad"],
         norm=fwd["norm"],
         config=fwd["config"],
-        n_input_parts=len(parts) // 2,
-        has_bias=b is not None,
-        needs_norm_grads=True,
-        needs_wgrad=True,
-        accumulate=True,
+        grads=GemmGrads(b is not None, True, True, True, len(parts) // 2).key,
         parallel="",
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..recipes import QuantConfig
+from ..spec import GemmGrads
 from .gemm_layer import (
     backward,
     backward_state,
@@ -53,7 +54,7 @@ def single_forward(
 
 def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head, tp=None) -> list[torch.Tensor]:
     """`single_forward`'s fake twin from the op's arguments `a` (inp, weight, weight_cache,
-    save_input, save_weight, fwd_state); `tp` the ParallelSpec or None."""
+    save_input, save_weight, delayed_state); `tp` the ParallelSpec or None."""
     leading = list(a.inp.shape[:-1])
     if tp is not None:
         leading[0] = tp.leading(leading[0], forward=True)
@@ -68,21 +69,45 @@ def fake_single_forward(a, cfg: QuantConfig, out_dtype, *head, tp=None) -> list[
         like=a.inp,
         tp=tp,
     )
-    return [out, *head, *saved, *[torch.empty_like(s) for s in a.fwd_state[:1]]]
+    return [out, *head, *saved, *[torch.empty_like(s) for s in a.delayed_state[:1]]]
 
 
-def single_backward(grad, cfg: QuantConfig, parts, n_input_parts: int, bwd_state, **kwargs):
+def single_backward(
+    grad,
+    cfg: QuantConfig,
+    parts,
+    bwd_state,
+    grads: GemmGrads,
+    *,
+    hp_operands=(None, None, None),
+    main_grad,
+    out_dtype,
+    grad_columnwise=None,
+    tp=None,
+):
     """`backward` of a one-GEMM op from its `parts` (the input's column-wise half first, then the
-    weight's) and `bwd_state` ([scale, amax_history] or []), then DelayedScaling's backward
-    update of that state; `kwargs` go to `backward` as they are."""
+    weight's) and `bwd_state` ([scale, amax_history] or []), computing what `grads` asks, then
+    DelayedScaling's backward update of that state. `hp_operands`: the forward's
+    high-precision (x, weight, bias), read without FP8 only."""
+    x, weight, bias = hp_operands
     result = backward(
         grad,
         cfg,
-        input_parts=parts[:n_input_parts],
-        weight_parts=parts[n_input_parts:],
+        x=x,
+        weight=weight,
+        bias=bias,
+        input_parts=parts[: grads.input_parts],
+        weight_parts=parts[grads.input_parts :],
         state=backward_state(cfg, bwd_state),
+        main_grad=main_grad,
+        out_dtype=out_dtype,
+        has_bias=grads.has_bias,
+        needs_dgrad=grads.dgrad,
+        needs_wgrad=grads.wgrad,
+        accumulate=grads.accumulate,
         device_index=grad.device.index,
-        **kwargs,
+        grad_columnwise=grad_columnwise,
+        tp=tp,
     )
     update_backward_state(cfg, bwd_state)
     return result

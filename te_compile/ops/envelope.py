@@ -21,12 +21,6 @@ def fake_results(like: torch.Tensor, dtype: torch.dtype, *shapes) -> tuple[torch
     )
 
 
-def fake_gemm_call(a) -> SimpleNamespace:
-    """A one-GEMM forward op's call `a` as kernels/single_gemm.fake_single_forward reads it:
-    its `fwd_state` is the forward scale heading `delayed_state`."""
-    return SimpleNamespace(**vars(a), fwd_state=a.delayed_state[:1])
-
-
 def ride_along(a) -> SimpleNamespace:
     """What a GEMM op's backward reads from its forward call's arguments `a`, besides saved
     tensors: the plain values, and the state backward mutates (DelayedScaling's backward state,

@@ -24,7 +24,7 @@ from ..kernels import gemm_layer, single_gemm, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import has_beta, norm_for_gemm, stats_shapes, tex_norm_bwd
 from ..recipes import QuantConfig
-from ..spec import NormSpec
+from ..spec import GemmGrads, NormSpec
 from . import envelope
 from .registry import op
 
@@ -89,8 +89,7 @@ def _(a):
     stats = [inp.new_empty(mu, dtype=torch.float32), inp.new_empty(rsigma, dtype=torch.float32)]
     kept = [torch.empty_like(inp)] if _has_ln_out(cfg, a.save_input, a.return_ln_out) else []
     tp = tensor_parallel.decode(a.parallel)
-    call = envelope.fake_gemm_call(a)
-    return single_gemm.fake_single_forward(call, cfg, inp.dtype, *stats, *kept, tp=tp)
+    return single_gemm.fake_single_forward(a, cfg, inp.dtype, *stats, *kept, tp=tp)
 
 
 @op(mutates=("bwd_state", "main_grad"))
@@ -109,11 +108,7 @@ def layernorm_linear_bwd(
     main_grad: Tensor | None,
     norm: str,
     config: str,
-    n_input_parts: int,
-    has_bias: bool,
-    needs_norm_grads: bool,
-    needs_wgrad: bool,
-    accumulate: bool,
+    grads: str,
     parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients of layernorm_linear_fwd, as eager TE's `_LayerNormLinear.backward`: the GEMM
@@ -122,22 +117,17 @@ def layernorm_linear_bwd(
     norm backward. `parts`, `bwd_state`: as linear_bwd's."""
     cfg = QuantConfig.from_key(config)
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    spec = GemmGrads.from_key(grads)  # its dgrad: the norm's gradients are needed
     dgrad, wgrad, dbias = single_gemm.single_backward(
-        *(g, cfg, parts, n_input_parts, bwd_state),
-        x=ln_out,
-        weight=weight,
-        bias=bias,
+        *(g, cfg, parts, bwd_state, spec),
+        hp_operands=(ln_out, weight, bias),
         main_grad=main_grad,
         out_dtype=inp.dtype,
-        has_bias=has_bias,
-        needs_dgrad=needs_norm_grads,
-        needs_wgrad=needs_wgrad,
-        accumulate=accumulate,
         grad_columnwise=True,
         tp=tensor_parallel.decode(parallel),
     )
     dx = dgamma = dbeta = None
-    if needs_norm_grads:
+    if spec.dgrad:
         if grad_ln_out is not None:
             dgrad = dgrad + grad_ln_out.reshape(dgrad.shape)
         dx, dgamma, dbeta = tex_norm_bwd(dgrad, inp, mu, rsigma, ln_weight, NormSpec.from_key(norm))
@@ -146,17 +136,17 @@ def layernorm_linear_bwd(
 
 @layernorm_linear_bwd.fake
 def _(a):
-    cfg = QuantConfig.from_key(a.config)
+    cfg, grads = QuantConfig.from_key(a.config), GemmGrads.from_key(a.grads)
     out_features, in_features = a.grad_out.shape[-1], a.inp.shape[-1]
-    norm_grads = a.needs_norm_grads
+    norm_grads = grads.dgrad
     return envelope.fake_results(
         a.inp,
         a.inp.dtype,
         (list(a.inp.shape), norm_grads),
         ([in_features], norm_grads),
         ([in_features], norm_grads and has_beta(NormSpec.from_key(a.norm))),
-        ([out_features, in_features], a.needs_wgrad and a.main_grad is None),
-        ([out_features], gemm_layer.returns_dbias(cfg, a.has_bias, a.needs_wgrad)),
+        ([out_features, in_features], grads.wgrad and a.main_grad is None),
+        ([out_features], gemm_layer.returns_dbias(cfg, grads.has_bias, grads.wgrad)),
     )
 
 
@@ -207,8 +197,9 @@ def _backward(ctx, grads):
         grads[3] if a.return_ln_out else None,  # [out, mu, rsigma, ln_out, ...]
         *saved[:7],
         list(saved[7:]),
-        *(a.delayed_state[1:], a.main_grad, a.norm, a.config, ctx.n_input_parts, ctx.has_bias),
-        *(needs_norm_grads, needs_wgrad, a.accumulate, a.parallel),
+        *(a.delayed_state[1:], a.main_grad, a.norm, a.config),
+        GemmGrads(ctx.has_bias, needs_norm_grads, needs_wgrad, a.accumulate, ctx.n_input_parts).key,
+        a.parallel,
     )
     return {
         "inp": dx if needs[0] else None,

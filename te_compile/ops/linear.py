@@ -29,6 +29,7 @@ from torch import Tensor
 from ..kernels import gemm_layer, single_gemm, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise, weight_cache_storage
 from ..recipes import QuantConfig
+from ..spec import GemmGrads
 from . import envelope
 from .registry import op
 
@@ -53,8 +54,9 @@ def linear_fwd(
     DelayedScaling only: the op quantizes with the forward scales heading `delayed_state` (a
     snapshot of TE's `scale` of the forward slots) and returns this call's amaxes last, for the
     caller to max-merge into TE's history (row 0). The backward slots' [scale, amax_history]
-    after it and `main_grad` (with `accumulate`, see linear_bwd) ride along to the backward op. `parallel`: a ParallelSpec key (tensor parallelism, the communication
-    inside the op) or ""."""
+    after it and `main_grad` (with `accumulate`, see linear_bwd) ride along to the backward op.
+    `parallel`: a ParallelSpec key (tensor parallelism, the communication inside the op) or
+    ""."""
     cfg = QuantConfig.from_key(config)
     state = gemm_layer.fresh_amax_state(delayed_state[:1])
     return single_gemm.single_forward(
@@ -69,7 +71,7 @@ def linear_fwd(
 def _(a):
     cfg = QuantConfig.from_key(a.config)
     tp = tensor_parallel.decode(a.parallel)
-    return single_gemm.fake_single_forward(envelope.fake_gemm_call(a), cfg, a.out_dtype, tp=tp)
+    return single_gemm.fake_single_forward(a, cfg, a.out_dtype, tp=tp)
 
 
 @op(mutates=("cache", "valid", "fwd_amax"))
@@ -110,35 +112,26 @@ def linear_bwd(
     bwd_state: list[Tensor],
     main_grad: Tensor | None,
     config: str,
+    grads: str,
     out_dtype: torch.dtype,
     in_features: int,
-    n_input_parts: int,
-    has_bias: bool,
-    needs_dgrad: bool,
-    needs_wgrad: bool,
-    accumulate: bool,
     parallel: str,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of linear_fwd. Without FP8, `inp`/`weight`/`bias` are the forward inputs (the
-    bias only flags the dbias fused into the wgrad GEMM); with FP8 they are None and `parts`
-    carry the operands: the input's column-wise half (`n_input_parts` tensors), then the
-    weight's. `bwd_state`: DelayedScaling's [scale, amax_history] of the backward slots, updated
-    at the end (empty for other recipes). With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into
-    it, adding to its contents when `accumulate`, and the returned wgrad is empty."""
+    """Gradients of linear_fwd, as `grads` (a GemmGrads key) asks. Without FP8,
+    `inp`/`weight`/`bias` are the forward inputs (the bias only flags the dbias fused into the
+    wgrad GEMM); with FP8 they are None and `parts` carry the operands: the input's column-wise
+    half (`grads.input_parts` tensors), then the weight's. `bwd_state`: DelayedScaling's
+    [scale, amax_history] of the backward slots, updated at the end (empty for other recipes).
+    With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into it, adding to its
+    contents when `grads.accumulate`, and the returned wgrad is empty."""
     cfg = QuantConfig.from_key(config)
     g = grad_out.reshape(-1, grad_out.shape[-1])
     dgrad, wgrad, dbias = single_gemm.single_backward(
-        g if g.is_contiguous() else g.contiguous(),
-        *(cfg, parts, n_input_parts, bwd_state),
-        x=inp,
-        weight=weight,
-        bias=bias,
+        *(g if g.is_contiguous() else g.contiguous(), cfg, parts, bwd_state),
+        GemmGrads.from_key(grads),
+        hp_operands=(inp, weight, bias),
         main_grad=main_grad,
         out_dtype=out_dtype,
-        has_bias=has_bias,
-        needs_dgrad=needs_dgrad,
-        needs_wgrad=needs_wgrad,
-        accumulate=accumulate,
         tp=tensor_parallel.decode(parallel),
     )
     if dgrad is not None:  # (under sequence parallelism its first dimension differs)
@@ -148,7 +141,7 @@ def linear_bwd(
 
 @linear_bwd.fake
 def _(a):
-    cfg = QuantConfig.from_key(a.config)
+    cfg, grads = QuantConfig.from_key(a.config), GemmGrads.from_key(a.grads)
     out_features = a.grad_out.shape[-1]
     leading = list(a.grad_out.shape[:-1])
     if a.parallel:
@@ -156,9 +149,9 @@ def _(a):
     return envelope.fake_results(
         a.grad_out,
         a.out_dtype,
-        ([*leading, a.in_features], a.needs_dgrad),
-        ([out_features, a.in_features], a.needs_wgrad and a.main_grad is None),
-        ([out_features], gemm_layer.returns_dbias(cfg, a.has_bias, a.needs_wgrad)),
+        ([*leading, a.in_features], grads.dgrad),
+        ([out_features, a.in_features], grads.wgrad and a.main_grad is None),
+        ([out_features], gemm_layer.returns_dbias(cfg, grads.has_bias, grads.wgrad)),
     )
 
 
@@ -200,13 +193,9 @@ def _backward(ctx, grads):
         a.delayed_state[1:],  # the backward [scale, amax_history]
         a.main_grad,
         a.config,
+        GemmGrads(ctx.has_bias, needs_dgrad, needs_wgrad, a.accumulate, ctx.n_input_parts).key,
         a.out_dtype,
         ctx.in_features,
-        ctx.n_input_parts,
-        ctx.has_bias,
-        needs_dgrad,
-        needs_wgrad,
-        a.accumulate,
         a.parallel,
     )
     return {

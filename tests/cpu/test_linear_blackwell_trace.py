@@ -23,6 +23,7 @@ import te_compile.modules.linear as module_linear
 from te_compile.kernels import operands_mx
 from te_compile.kernels.fp8_operands import quantizer as make_quantizer
 from te_compile.recipes import QuantConfig, for_linear
+from te_compile.spec import GemmGrads
 from te_compile_testing import JointRecorder, op_args, op_targets
 
 IN, OUT = 64, 32
@@ -161,7 +162,7 @@ def test_saved_parts_match_te_allocation(
     assert "linear_bwd" in str(bwd.args[0])
     bwd_parts = [a.meta["val"] for a in bwd.kwargs["parts"]]
     assert [(tuple(t.shape), t.dtype) for t in bwd_parts] == want
-    assert bwd.kwargs["n_input_parts"] == len(want) // 2
+    assert GemmGrads.from_key(bwd.kwargs["grads"]).input_parts == len(want) // 2
 
 
 def test_nvfp4_3d_columnwise_data_is_2d(nvfp4_without_gpu):
