@@ -9,7 +9,11 @@ GPU time goes.
 `--off aten_fp8_gemm` turns te_compile options off and `--on graph_fp8` turns them on
 (te_compile.configure), to measure what each saves.
 
-Per recipe and mode (eager TE, compiled default mode): the median CPU time to issue one step
+`--modes`: eager, compile (default mode), reduce-overhead (CUDA graphs: the step marks its
+start with `torch.compiler.cudagraph_mark_step_begin`); `--stack torch-transformer --recipes
+bf16` profiles the plain PyTorch block for comparison.
+
+Per recipe and mode: the median CPU time to issue one step
 with the GPU idle at its start (synchronize, then time the Python call; the GPU work is not
 waited for), and a cProfile of 20 steps whose top functions by own time go to
 DIR/profile-<recipe>-<mode>.txt (then by cumulative time), and torch.profiler's table of 10
@@ -50,14 +54,20 @@ RECIPES = {
 }
 
 
-def make_train_step(model, recipe, compiled: bool, x, grad):
+def make_train_step(model, recipe, mode: str, x, grad):
     def fwd(inp):
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             return model(inp)
 
-    fn = torch.compile(fwd, fullgraph=True) if compiled else fwd
+    graphs = mode == "reduce-overhead"
+    if mode == "eager":
+        fn = fwd
+    else:
+        fn = torch.compile(fwd, fullgraph=True, mode="reduce-overhead" if graphs else None)
 
     def step():
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
         fn(x).backward(grad)
 
@@ -139,7 +149,7 @@ def main() -> None:
             x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
             x.requires_grad_(True)
             grad = torch.randn_like(x)
-            step = make_train_step(model, RECIPES[name](), mode == "compile", x, grad)
+            step = make_train_step(model, RECIPES[name](), mode, x, grad)
             for _ in range(5):
                 step()
             ms = issue_ms(step)
