@@ -262,12 +262,14 @@ def delayed_state(m, recipe) -> tuple[list, list]:
     return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
 
 
-def forward_op_state(fwd_state: list) -> list:
-    """What a forward GEMM op reads of DelayedScaling's forward state: a snapshot of the
-    scales (see ops/delayed_scaling.scale_snapshot), never the history it updates."""
+def delayed_op_state(fwd_state: list, bwd_state: list) -> list:
+    """A forward GEMM op's `delayed_state` ([] for recipes other than DelayedScaling): what it
+    reads of the forward state, a snapshot of the scales (see ops/delayed_scaling.scale_snapshot)
+    and never the history it updates, then the backward [scale, amax_history] that rides along
+    to the backward op. The graph path (graph_fp8) takes the same three tensors."""
     if not fwd_state:
         return []
-    return [torch.ops.te_compile.scale_snapshot(fwd_state[0])]
+    return [torch.ops.te_compile.scale_snapshot(fwd_state[0]), *bwd_state]
 
 
 def merge_forward_amaxes(fwd_state: list, amaxes: torch.Tensor) -> None:

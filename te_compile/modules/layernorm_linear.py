@@ -25,7 +25,7 @@ from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..patching import Swap
 from ..spec import NormSpec
 from . import gemm_common, tensor_parallel
-from .linear import delayed_op_state, graph_path_applies, graph_path_forward, make_forward
+from .linear import graph_path_applies, graph_path_forward, make_forward
 
 NAME = "te.LayerNormLinear"
 
@@ -87,7 +87,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             ln_bias,
             s.op_weight,
             g.fused_bias,
-            delayed_op_state(s.fwd_state, s.bwd_state),
+            gemm_common.delayed_op_state(s.fwd_state, s.bwd_state),
             s.weight_cache,
             s.main_grad,
             norm.key,

@@ -159,7 +159,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     )
     outputs = torch.ops.te_compile.layernorm_mlp_fwd(
         *(inp, ln_w, ln_b, op_w1, b1, op_w2, b2_fused),
-        delayed_state=linear.delayed_op_state(fwd_state, bwd_state),
+        delayed_state=gemm_common.delayed_op_state(fwd_state, bwd_state),
         fc1_cache=fc1_cache,
         fc2_cache=fc2_cache,
         fc1_main_grad=main1,
@@ -168,7 +168,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         norm=norm.key,
         mlp=mlp.key,
         out_dtype=act_dtype,
-        flags=_flags(self, inp, grad, is_first_microbatch).key,
+        flags=_flags(grad, is_first_microbatch, (inp, ln_w, ln_b), w1, b1, w2).key,
         parallel=parallel,
     )
     gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
@@ -176,13 +176,11 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     return _returned(self, outputs[0], b2, act_dtype, ln_out)
 
 
-def _flags(m, inp, grad: bool, is_first_microbatch) -> MLPFlags:
-    """What backward reads, decided as eager TE decides it (from requires_grad at forward), and
-    whether fuse_wgrad_accumulation adds to main_grad (always, but on a first microbatch)."""
-    norm_inputs = (inp, m.layer_norm_weight, m.layer_norm_bias)
+def _flags(grad: bool, is_first_microbatch, norm_inputs, w1, b1, w2) -> MLPFlags:
+    """What backward reads, decided as eager TE decides it (from requires_grad at forward, of
+    the norm's input and parameters `norm_inputs` and the FC weights and FC1 bias), and whether
+    fuse_wgrad_accumulation adds to main_grad (always, but on a first microbatch)."""
     save_norm = grad and any(_requires_grad(t) for t in norm_inputs)
-    w1, w2 = m.fc1_weight, m.fc2_weight
-    b1 = m.fc1_bias if m.use_bias else None
     return MLPFlags(
         save_norm=save_norm,
         save_fc1_input=grad and w1.requires_grad,

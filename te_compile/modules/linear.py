@@ -69,7 +69,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         inp,
         s.op_weight,
         g.fused_bias,
-        delayed_op_state(s.fwd_state, s.bwd_state),
+        gemm_common.delayed_op_state(s.fwd_state, s.bwd_state),
         s.weight_cache,
         s.main_grad,
         g.cfg.key,
@@ -86,13 +86,6 @@ def _returned(m, g, out):
     if m.return_bias:
         return out, (g.bias.to(g.act_dtype) if g.bias is not None else None)
     return out
-
-
-def delayed_op_state(fwd_state: list, bwd_state: list) -> list:
-    """A forward op's `delayed_state`: DelayedScaling's forward scale snapshot, then the
-    backward [scale, amax_history] that rides along to the backward op ([] for other recipes).
-    The graph path (graph_fp8) takes the same three tensors."""
-    return [*gemm_common.forward_op_state(fwd_state), *bwd_state]
 
 
 def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
@@ -113,7 +106,7 @@ def graph_path_forward(g, s, inp):
     `graph_path_applies`; te.Linear's and LayerNormLinear's (after its norm)."""
     call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
     bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
-    delayed = tuple(delayed_op_state(s.fwd_state, s.bwd_state)) or None
+    delayed = tuple(gemm_common.delayed_op_state(s.fwd_state, s.bwd_state)) or None
     return graph_linear.linear(inp, g.weight, bias, call, delayed)
 
 
