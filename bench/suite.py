@@ -49,15 +49,18 @@ COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
 # Variants, run when named in --recipes as "<recipe>-<variant>": that recipe with these
 # te_compile options (the rest at their defaults). "graph": FP8 quantization and GEMMs as graph
-# ops (opt-in); "tecalls": every GEMM through TE's extension (no aten scaled GEMM);
-# "graphweights": current-scaling weights quantized in the graph (opt-in).
+# ops wherever they apply (the default: small current-scaling GEMMs only); "tekernels": TE's
+# kernels for every GEMM (graph_fp8=False); "tecalls": every GEMM through TE's extension (no
+# aten scaled GEMM); "graphweights": current-scaling weights quantized in the graph (opt-in).
 VARIANTS = {
     "graph": {"graph_fp8": True},
+    "tekernels": {"graph_fp8": False},
     "tecalls": {"aten_fp8_gemm": False},
     "graphweights": {"graph_weight_quantize": True},
 }
 EXTRA_RECIPES = (
     *("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls"),
+    "current-tekernels",
     "current-graphweights",
 )
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show

@@ -2,7 +2,7 @@
 between calls recompiles the compiled functions that read it (the next call traces again).
 `aten_fp8_gemm` is read by the ops when they run (it changes no graph).
 
-    te_compile.configure(graph_fp8=True)
+    te_compile.configure(graph_fp8=False)   # TE's kernels for every GEMM, whatever its size
 """
 
 from __future__ import annotations
@@ -13,9 +13,11 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Options:
     # FP8 quantization and GEMMs as graph operations inductor fuses (graph_fp8/), where they
-    # apply; TE's own kernels otherwise. Off by default: docs/graph_fp8.md says where the two
-    # paths agree bit for bit and where not.
-    graph_fp8: bool = False
+    # apply; TE's own kernels otherwise. None (the default): the graph path for
+    # Float8CurrentScaling GEMMs small enough that issuing TE's kernels, not running them, bounds
+    # the step (graph_fp8/linear.py's AUTO_MAX_MACS), where the two paths agree bit for bit;
+    # True: wherever it applies (DelayedScaling's te.Linear too); False: never. docs/graph_fp8.md.
+    graph_fp8: bool | None = None
     # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
     aten_fp8_gemm: bool = True

@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import torch
 
+from .. import options
 from ..kernels.fp8_operands import DELAYED_SLOT
 from ..recipes import ROLES, QuantConfig
 from . import quantize
@@ -38,6 +39,27 @@ class LinearFP8(NamedTuple):
 
     cfg: QuantConfig
     out_dtype: torch.dtype
+
+
+# graph_fp8=None takes the graph path for GEMMs of at most this many multiply-adds: about 0.1 ms
+# of FP8 work on an H100, the CPU time TE's path spends issuing one GEMM's kernels (three to four
+# calls into TE's extension at 25-125 us each, docs/performance.md). Below it the step waits on
+# the CPU and the graph path, which makes none of those calls, is faster (1.44-1.51x at
+# 4 TransformerLayers of H=1024 and 2048); above it the GPU bounds the step and TE's fused
+# kernels are faster (TE's guide layer, 2^40 per FC1: 5-7%).
+AUTO_MAX_MACS = 1 << 36
+
+
+def wanted(cfg: QuantConfig, rows, *weights: torch.Tensor) -> bool:
+    """Whether `te_compile.configure(graph_fp8=...)` asks for the graph path for GEMMs of `rows`
+    input rows and these weights (see AUTO_MAX_MACS; `applies` then says whether it can)."""
+    setting = options.current().graph_fp8
+    if setting is not None:
+        return setting
+    # Float8CurrentScaling only: DelayedScaling's dbias on the graph path is not TE's sum order.
+    return cfg.kind == "current" and all(
+        rows * w.shape[0] * w.shape[1] <= AUTO_MAX_MACS for w in weights
+    )
 
 
 def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) -> str:

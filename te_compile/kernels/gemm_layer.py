@@ -25,6 +25,7 @@ import contextlib
 import torch
 
 from ..recipes import QuantConfig
+from ..spec import GemmGrads
 from . import extension, tensor_parallel
 from .delayed_update import amax_and_scale_update
 from .fp8_operands import (
@@ -241,6 +242,7 @@ def returns_dbias(cfg: QuantConfig, has_bias: bool, needs_wgrad: bool) -> bool:
 def backward(
     grad,
     cfg: QuantConfig,
+    grads: GemmGrads,
     *,
     x: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -250,17 +252,13 @@ def backward(
     state,
     main_grad: torch.Tensor | None,
     out_dtype: torch.dtype,
-    has_bias: bool,
-    needs_dgrad: bool,
-    needs_wgrad: bool,
-    accumulate: bool,
-    device_index: int,
     gemm: int = 0,
     dbias: torch.Tensor | None = None,
     grad_columnwise: bool | None = None,
     tp=None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """(dgrad [M, in], wgrad, dbias) of `forward`; None for what is not computed.
+    """(dgrad [M, in], wgrad, dbias) of `forward`; None for what is not computed (`grads`:
+    whether there is a bias, dgrad and wgrad wanted, wgrad accumulated into main_grad).
 
     `grad` is grad_output as a 2-D contiguous high-precision tensor, or (FP8) a TE storage
     already quantized for the grad role, both halves, with its `dbias` (a fused dact+quantize
@@ -273,6 +271,8 @@ def backward(
     bias or wgrad); LayerNormLinear always asks for both halves. `tp`: the forward's
     ParallelSpec; dgrad comes back reduced over its group (local rows under sequence
     parallelism)."""
+    has_bias, needs_dgrad, needs_wgrad = grads.has_bias, grads.dgrad, grads.wgrad
+    device_index = grad.device.index
     gathers_input = tp is not None and tp.gathers_input and needs_wgrad
     if cfg.fp8:
         if tp is not None and tp.gathers_grad:
@@ -316,7 +316,7 @@ def backward(
             bias=wgrad_bias,
             split_accumulator=cfg.split_acc[2],
             out=main_grad,
-            accumulate=into_main_grad and accumulate,
+            accumulate=into_main_grad and grads.accumulate,
             device_index=device_index,
         )
         if not into_main_grad:

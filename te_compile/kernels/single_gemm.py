@@ -93,6 +93,7 @@ def single_backward(
     result = backward(
         grad,
         cfg,
+        grads,
         x=x,
         weight=weight,
         bias=bias,
@@ -101,11 +102,6 @@ def single_backward(
         state=backward_state(cfg, bwd_state),
         main_grad=main_grad,
         out_dtype=out_dtype,
-        has_bias=grads.has_bias,
-        needs_dgrad=grads.dgrad,
-        needs_wgrad=grads.wgrad,
-        accumulate=grads.accumulate,
-        device_index=grad.device.index,
         grad_columnwise=grad_columnwise,
         tp=tp,
     )

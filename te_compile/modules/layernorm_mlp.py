@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import (
-    ops,  # noqa: F401  (registers the te_compile ops)
-    options,
-)
+from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..graph_fp8 import linear as graph_linear
 from ..graph_fp8 import mlp as graph_mlp
 from ..kernels import activation
 from ..ops.layernorm_mlp import MLPSpec
@@ -206,11 +204,14 @@ def _returned(m, out, b2, act_dtype, ln_out):
 
 
 def _graph_path_applies(m, cfg: QuantConfig, inp, act_dtype, plumbing) -> bool:
-    """te_compile.configure(graph_fp8=True), none of the plumbing the graph MLP leaves to TE's
-    kernels (FP8 parameters, FP8 weight caching, main_grad, tensor parallelism), no returned
-    norm output, and a recipe, activation and shapes graph_fp8.mlp takes."""
+    """The graph path asked for (graph_fp8.linear.wanted), none of the plumbing the graph MLP
+    leaves to TE's kernels (FP8 parameters, FP8 weight caching, main_grad, tensor parallelism),
+    no returned norm output, and a recipe, activation and shapes graph_fp8.mlp takes."""
     op_w1, op_w2, main1, main2, parallel, is_first_microbatch = plumbing
-    if not options.current().graph_fp8 or m.return_layernorm_output or parallel:
+    if m.return_layernorm_output or parallel:
+        return False
+    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+    if not graph_linear.wanted(cfg, rows, m.fc1_weight, m.fc2_weight):
         return False
     if is_first_microbatch is not None:
         return False

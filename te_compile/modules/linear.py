@@ -24,10 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import (
-    ops,  # noqa: F401  (registers the te_compile ops)
-    options,
-)
+from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from . import fp8_params, gemm_common, tensor_parallel
@@ -89,10 +86,11 @@ def _returned(m, g, out):
 
 
 def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
-    """te_compile.configure(graph_fp8=True) and a call the graph path computes: no FP8 weight
+    """The graph path asked for (graph_fp8.linear.wanted) and a call it computes: no FP8 weight
     cache, FP8 parameter or main_grad, and a recipe and shapes graph_fp8.linear takes (`inp`:
     the GEMM's input)."""
-    if not options.current().graph_fp8 or s.main_grad is not None:
+    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+    if s.main_grad is not None or not graph_linear.wanted(g.cfg, rows, g.weight):
         return False
     if is_first_microbatch is not None:  # FP8 weight caching
         return False

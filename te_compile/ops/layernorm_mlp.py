@@ -33,7 +33,7 @@ from ..kernels import activation, gemm_layer, tensor_parallel
 from ..kernels.fp8_operands import columnwise_count, weight_cache_columnwise
 from ..kernels.norm import norm_for_gemm, tex_norm_bwd
 from ..recipes import QuantConfig
-from ..spec import NormSpec, Spec, labelled, spec
+from ..spec import GemmGrads, NormSpec, Spec, labelled, spec
 from . import envelope
 from . import layernorm_mlp_layout as layout
 from .registry import op
@@ -214,7 +214,6 @@ def layernorm_mlp_bwd(
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
     f = layout.MLPFlags.from_key(flags)
     out_dtype = grad_out.dtype
-    dev = grad_out.device.index
     hidden = grad_out.shape[-1]
     needs_act = needs_norm_grads or needs_fc1_wgrad or needs_fc1_dbias
     s = layout.split(saved, layout.segments(cfg, n.normalization, f))
@@ -229,9 +228,11 @@ def layernorm_mlp_bwd(
 
     def gemm_backward(grad, gemm, weight, bias, main_grad, needs_dgrad, needs_wgrad, **kw):
         name = ("fc1", "fc2")[gemm]
+        grads = GemmGrads(bias is not None, needs_dgrad, needs_wgrad, f.accumulate)
         return gemm_layer.backward(
             grad,
             cfg,
+            grads,
             x=hp(f"{name}_input"),
             weight=weight,
             bias=bias,
@@ -240,11 +241,6 @@ def layernorm_mlp_bwd(
             state=state,
             main_grad=main_grad,
             out_dtype=out_dtype,
-            has_bias=bias is not None,
-            needs_dgrad=needs_dgrad,
-            needs_wgrad=needs_wgrad,
-            accumulate=f.accumulate,
-            device_index=dev,
             gemm=gemm,
             tp=tps[gemm],
             **kw,

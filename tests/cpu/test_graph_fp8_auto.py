@@ -1,0 +1,82 @@
+"""The default `graph_fp8=None` traced on CPU with a pretend Hopper: small Float8CurrentScaling
+GEMMs take the graph path, large ones, other recipes and `graph_fp8=False` TE's kernel ops, and
+`True` the graph path at any size. (The choice never changes numerics: both paths are
+bit-identical to eager TE where the default picks the graph path, tests/gpu/.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+
+import te_compile
+from te_compile.graph_fp8.linear import AUTO_MAX_MACS
+from te_compile_testing import JointRecorder, graph_fp8
+
+TE_OPS = ("linear_fwd", "layernorm_linear_fwd", "layernorm_mlp_fwd")
+
+
+def _forward_ops(make, recipe, rows: int, setting) -> list[str]:
+    """The te_compile ops and scaled GEMMs of one compiled forward of `make()` on `rows` rows,
+    with graph_fp8=`setting`."""
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8(setting):
+        module = make()
+        x = torch.randn(rows, module_in(module), device="cuda", dtype=torch.bfloat16)
+        x.requires_grad_()
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return module(x)
+
+        torch.compile(fn, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+    return [t.split(".")[1] for t in rec.targets(rec.fw) if "te_compile" in t or "_scaled_mm" in t]
+
+
+def module_in(m) -> int:
+    return m.in_features if hasattr(m, "in_features") else m.fc1_weight.shape[1]
+
+
+def _linear(k, n):
+    return lambda: te.Linear(k, n, params_dtype=torch.bfloat16, device="cuda")
+
+
+def _mlp():
+    return te.LayerNormMLP(64, 256, params_dtype=torch.bfloat16, device="cuda")
+
+
+def _ln_linear():
+    return te.LayerNormLinear(64, 96, params_dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("make", [_linear(64, 32), _ln_linear, _mlp], ids=["linear", "ln", "mlp"])
+def test_small_current_scaling_takes_the_graph_path(make, patched, graph_breaks):
+    ops = _forward_ops(make, R.Float8CurrentScaling(), 32, None)
+    assert graph_breaks() == 0
+    assert not any(op in TE_OPS for op in ops) and "_scaled_mm" in ops, ops
+
+
+@pytest.mark.parametrize("setting", [None, True])
+def test_large_gemm_stays_on_te_kernels_unless_forced(setting, patched):
+    """rows x in x out one step past AUTO_MAX_MACS: TE's op by default, the graph path when
+    asked for; exactly at it, the graph path."""
+    k = n = 4096
+    over = AUTO_MAX_MACS // (k * n) * 2
+    ops = _forward_ops(_linear(k, n), R.Float8CurrentScaling(), over, setting)
+    assert ("linear_fwd" in ops) == (setting is None), ops
+    at = _forward_ops(_linear(k, n), R.Float8CurrentScaling(), AUTO_MAX_MACS // (k * n), None)
+    assert "linear_fwd" not in at and "_scaled_mm" in at, at
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=str)
+def test_other_recipes_stay_on_te_kernels(recipe, patched):
+    """DelayedScaling's graph-path dbias is not TE's sum order: the default leaves it (and block
+    scaling, which the graph path lacks) to TE's kernels."""
+    for make, op in ((_linear(64, 32), "linear_fwd"), (_mlp, "layernorm_mlp_fwd")):
+        assert op in _forward_ops(make, recipe, 32, None)
+
+
+def test_off_keeps_te_kernels(patched):
+    for make, op in ((_linear(64, 32), "linear_fwd"), (_ln_linear, "layernorm_linear_fwd")):
+        assert op in _forward_ops(make, R.Float8CurrentScaling(), 32, False)
