@@ -69,6 +69,9 @@ def make_train_step(model, recipe, mode: str, x, grad):
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
+        # The input's gradient too: accumulating into last step's (a CUDA-graph output the
+        # next replay overwrites) fails under reduce-overhead.
+        x.grad = None
         fn(x).backward(grad)
 
     return step
