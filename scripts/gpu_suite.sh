@@ -12,7 +12,8 @@ cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -m te_compile 2>&1 | tee "$out/doctor.txt"
 # PART=1 / PART=2: the suite in two halves that each fit a lent machine's 10-minute call
-# (te.Linear, autocast, CUDA graphs, norms, TF32; then the layers, attention and models).
+# (te.Linear, autocast, CUDA graphs, norms, TF32; then the layers, attention and models);
+# PART=3: the current-scaling cases again on TE's kernels (below).
 # The training-stack files (checkpoint, CUDA-graph loops) and graph_fp8 run in calls of
 # their own: docs/gpu.md.
 g=tests/gpu
@@ -23,6 +24,12 @@ case "${PART:-all}" in
   2) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
             $g/test_fp8_params_gpu.py) ;;
+  # Float8CurrentScaling's small GEMMs take the graph path by default: PART=3 runs their
+  # cases once more on TE's kernels (graph_fp8=False).
+  3) export TE_COMPILE_GRAPH_FP8=0
+     files=($g/test_linear_gpu.py $g/test_linear_training_gpu.py $g/test_cudagraphs_gpu.py
+            $g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
+            $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k current) ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \

@@ -7,6 +7,7 @@ tensors come from FakeTensorMode (see `fake_cuda`).
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -69,19 +70,26 @@ def _clean_state():
         q.FP8GlobalStateManager.reset()
 
 
+# GPU tests run with te_compile's default graph_fp8 (None) unless TE_COMPILE_GRAPH_FP8 is "0"
+# (TE's kernels for every GEMM) or "1": scripts/gpu_suite.sh's PART=3 runs the current-scaling
+# cases with "0", so the TE-kernel path of small Float8CurrentScaling GEMMs stays tested.
+_GPU_GRAPH_FP8 = {"0": False, "1": True}.get(os.environ.get("TE_COMPILE_GRAPH_FP8", ""))
+
+
 @pytest.fixture(autouse=True)
-def _cpu_traces_on_te_kernels(request):
+def _graph_fp8_setting(request):
     """CPU traces pin `graph_fp8=False`: they check the TE-kernel ops' schemas, fakes and
     autograd, which the default (None: the graph path for small Float8CurrentScaling GEMMs)
     would bypass. The graph path's own traces turn it on (`te_compile_testing.graph_fp8`) and
-    tests/cpu/test_graph_fp8_auto.py traces the default's choice; the GPU suite runs the
-    default."""
-    if request.node.path.parent.name != "cpu" or TE_IMPORT_ERROR is not None:
+    tests/cpu/test_graph_fp8_auto.py traces the default's choice. GPU tests: see above."""
+    folder = request.node.path.parent.name
+    setting = False if folder == "cpu" else _GPU_GRAPH_FP8 if folder == "gpu" else None
+    if setting is None or TE_IMPORT_ERROR is not None:
         yield
         return
     from te_compile_testing import graph_fp8
 
-    with graph_fp8(False):
+    with graph_fp8(setting):
         yield
 
 
