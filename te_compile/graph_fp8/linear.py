@@ -50,13 +50,19 @@ class LinearFP8(NamedTuple):
 AUTO_MAX_MACS = 1 << 36
 
 
-def wanted(cfg: QuantConfig, rows, *weights: torch.Tensor) -> bool:
-    """Whether `te_compile.configure(graph_fp8=...)` asks for the graph path for GEMMs of `rows`
-    input rows and these weights (see AUTO_MAX_MACS; `applies` then says whether it can)."""
+def _rows(inp: torch.Tensor):
+    """The GEMM's row count: every dimension of `inp` but the last."""
+    return inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
+
+
+def wanted(cfg: QuantConfig, inp: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `te_compile.configure(graph_fp8=...)` asks for the graph path for GEMMs of input
+    `inp` and these weights (see AUTO_MAX_MACS; `applies` then says whether it can)."""
     setting = options.current().graph_fp8
     if setting is not None:
         return setting
     # Float8CurrentScaling only: DelayedScaling's dbias on the graph path is not TE's sum order.
+    rows = _rows(inp)
     return cfg.kind == "current" and all(
         rows * w.shape[0] * w.shape[1] <= AUTO_MAX_MACS for w in weights
     )
@@ -70,8 +76,7 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
         return "DelayedScaling's amax reduction over ranks"
     if not dtype == inp.dtype == weight.dtype == torch.bfloat16:
         return "input, weight and activation dtypes not all bfloat16"
-    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    dims = (rows, *weight.shape)
+    dims = (_rows(inp), *weight.shape)
     # (a dynamic dimension is tested too: dynamo guards on the answer)
     if not all(d % _ALIGN == 0 and d > 0 for d in dims):
         return f"GEMM dimensions {dims} not multiples of {_ALIGN}"

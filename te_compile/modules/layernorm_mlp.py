@@ -210,8 +210,7 @@ def _graph_path_applies(m, cfg: QuantConfig, inp, act_dtype, plumbing) -> bool:
     op_w1, op_w2, main1, main2, parallel, is_first_microbatch = plumbing
     if m.return_layernorm_output or parallel:
         return False
-    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if not graph_linear.wanted(cfg, rows, m.fc1_weight, m.fc2_weight):
+    if not graph_linear.wanted(cfg, inp, m.fc1_weight, m.fc2_weight):
         return False
     if is_first_microbatch is not None:
         return False

@@ -89,8 +89,7 @@ def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
     """The graph path asked for (graph_fp8.linear.wanted) and a call it computes: no FP8 weight
     cache, FP8 parameter or main_grad, and a recipe and shapes graph_fp8.linear takes (`inp`:
     the GEMM's input)."""
-    rows = inp.numel() // inp.shape[-1] if inp.shape[-1] else 0
-    if s.main_grad is not None or not graph_linear.wanted(g.cfg, rows, g.weight):
+    if s.main_grad is not None or not graph_linear.wanted(g.cfg, inp, g.weight):
         return False
     if is_first_microbatch is not None:  # FP8 weight caching
         return False
