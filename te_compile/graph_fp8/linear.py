@@ -151,7 +151,7 @@ class _LinearFunction(torch.autograd.Function):
     Per-tensor current scaling passes None for all three and gets an empty amax tensor."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, fwd_scale, bwd_scale, bwd_history, call: LinearFP8):
+    def forward(ctx, x, weight, bias, fwd_scale, bwd_scale, bwd_history, call: LinearFP8, value):
         cfg = call.cfg
         x2d = x.reshape(-1, x.shape[-1])
         if fwd_scale is None:
@@ -159,7 +159,10 @@ class _LinearFunction(torch.autograd.Function):
             wq, w_si = quantize_stored(weight, cfg, 1)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
-            xq, x_si, x_amax = _quantize_delayed(x2d, fwd_scale, cfg, 0)
+            if value is None:
+                xq, x_si, x_amax = _quantize_delayed(x2d, fwd_scale, cfg, 0)
+            else:  # a fused producer's float32 value (graph_fp8/norm.py), cast as TE casts it
+                xq, x_si, x_amax = _quantize_delayed(value, fwd_scale, cfg, 0, stored=False)
             wq, w_si, w_amax = _quantize_delayed(weight, fwd_scale, cfg, 1)
             amaxes = torch.cat([x_amax, w_amax, torch.zeros_like(x_amax)])  # output slot: none
         y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
@@ -194,14 +197,13 @@ class _LinearFunction(torch.autograd.Function):
             dbias = bias_grad(dy2d)
         if bwd_scale is not None:
             _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
-        return dx, dw, dbias, None, None, None, None
+        return dx, dw, dbias, None, None, None, None, None
 
 
-def _quantize_delayed(t: torch.Tensor, scales: torch.Tensor, cfg: QuantConfig, role: int):
+def _quantize_delayed(t, scales: torch.Tensor, cfg: QuantConfig, role: int, stored=True):
     slot = DELAYED_SLOT[ROLES[role]]  # TE's slot of the role in its direction's state
-    return quantize.quantize_delayed(
-        quantize.stored_bf16(t), scales[slot : slot + 1], cfg.dtypes[role]
-    )
+    t = quantize.stored_bf16(t) if stored else t
+    return quantize.quantize_delayed(t, scales[slot : slot + 1], cfg.dtypes[role])
 
 
 def _update_backward_state(cfg: QuantConfig, scale, history, grad_amax) -> None:
@@ -213,9 +215,10 @@ def _update_backward_state(cfg: QuantConfig, scale, history, grad_amax) -> None:
     )
 
 
-def linear(x, weight, bias, call: LinearFP8, delayed_state=None):
+def linear(x, weight, bias, call: LinearFP8, delayed_state=None, x_value=None):
     """(y = x @ weight.T + bias with FP8 operands, amaxes): see the module docstring.
     `delayed_state` = (forward scale snapshot, backward scale, backward history) with
-    DelayedScaling, else None."""
+    DelayedScaling, else None. `x_value` (DelayedScaling only): the float32 value to quantize
+    in place of `x`'s, where TE's fused producer casts it unrounded (graph_fp8/norm.py)."""
     fwd_scale, bwd_scale, bwd_history = delayed_state or (None, None, None)
-    return _LinearFunction.apply(x, weight, bias, fwd_scale, bwd_scale, bwd_history, call)
+    return _LinearFunction.apply(x, weight, bias, fwd_scale, bwd_scale, bwd_history, call, x_value)

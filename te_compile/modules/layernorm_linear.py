@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
+from ..graph_fp8 import norm as graph_norm
 from ..patching import Swap
 from ..spec import NormSpec
 from . import gemm_common, tensor_parallel
@@ -70,16 +71,16 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             "return_layernorm_output_gathered=True with sequence_parallel=True",
             "return the local norm output (return_layernorm_output_gathered=False)",
         )
-    if (
-        not parallel
-        and not gathered
-        and g.cfg.kind == "current"  # (DelayedScaling: TE casts the norm's float32 output)
-        and graph_path_applies(g, s, x, is_first_microbatch)
-    ):
-        # The graph path: TE's norm kernel, then te.Linear's FP8 GEMMs as graph operations
-        # (eager TE quantizes this norm output from its bf16 values: the same bytes).
-        ln_out_2d = torch.ops.te_compile.norm_fwd(x, ln_weight, ln_bias, norm.key)[0]
-        out, amaxes = graph_path_forward(g, s, ln_out_2d)
+    if not parallel and not gathered and graph_path_applies(g, s, x, is_first_microbatch):
+        # The graph path: TE's norm kernel, then te.Linear's FP8 GEMMs as graph operations.
+        # Current scaling quantizes the norm's bf16 output, as eager TE does; DelayedScaling's
+        # fused norm casts the unrounded float32 value, recomputed here from TE's statistics
+        # (unless the norm output is returned: eager TE then quantizes its bf16 values too).
+        ln_out_2d, mu, rsigma = torch.ops.te_compile.norm_fwd(x, ln_weight, ln_bias, norm.key)
+        value = None
+        if g.cfg.kind == "delayed" and not self.return_layernorm_output:
+            value = graph_norm.unrounded(x, ln_weight, ln_bias, mu, rsigma, norm)
+        out, amaxes = graph_path_forward(g, s, ln_out_2d, value)
     else:
         outputs = torch.ops.te_compile.layernorm_linear_fwd(
             x,

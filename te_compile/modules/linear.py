@@ -98,13 +98,14 @@ def graph_path_applies(g, s, inp, is_first_microbatch) -> bool:
     return not graph_linear.applies(g.cfg, inp, g.weight, g.act_dtype)
 
 
-def graph_path_forward(g, s, inp):
+def graph_path_forward(g, s, inp, x_value=None):
     """(out, amaxes) of the GEMM on 2-D `inp` on the graph path (graph_fp8/linear.py), where
-    `graph_path_applies`; te.Linear's and LayerNormLinear's (after its norm)."""
+    `graph_path_applies`; te.Linear's and LayerNormLinear's (after its norm, whose float32
+    value is `x_value` under DelayedScaling)."""
     call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
     bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
     delayed = tuple(gemm_common.delayed_op_state(s.fwd_state, s.bwd_state)) or None
-    return graph_linear.linear(inp, g.weight, bias, call, delayed)
+    return graph_linear.linear(inp, g.weight, bias, call, delayed, x_value)
 
 
 def make_forward(original, compiled=compiled_forward):

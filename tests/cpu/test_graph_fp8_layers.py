@@ -62,13 +62,40 @@ def test_transformer_layers_take_the_graph_path(patched, graph_breaks):
     assert bw == {"_scaled_mm": 16, "bias_grad": 4, "norm_bwd": 4, "fused_attn_bwd": 2}
 
 
-def test_delayed_scaling_norm_layers_stay_on_te_kernels(patched):
-    """DelayedScaling: TE casts its norm's and GELU's float32 results to FP8 in their kernels,
-    which the graph cannot reproduce from their bf16 outputs: LayerNormLinear and LayerNormMLP
-    keep TE's kernel ops (te.Linear, the attention projection, takes the graph path)."""
+def test_delayed_scaling_layer(patched):
+    """DelayedScaling: LayerNormLinear takes the graph path (TE's norm op for the statistics,
+    the float32 value recomputed and cast in the graph, graph_fp8/norm.py), as te.Linear does;
+    LayerNormMLP keeps TE's kernel op (its GELU and dbias kernels are not rebuilt yet)."""
     fw, _ = _trace(lambda: _layers(1), R.DelayedScaling())
-    assert fw["layernorm_linear_fwd"] == 1 and fw["layernorm_mlp_fwd"] == 1
-    assert fw["_scaled_mm"] == 1 and "linear_fwd" not in fw
+    assert fw["layernorm_mlp_fwd"] == 1 and "layernorm_linear_fwd" not in fw
+    assert fw["norm_fwd"] == 1 and fw["_scaled_mm"] == 2 and "linear_fwd" not in fw
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered_gamma", [False, True])
+def test_unrounded_norm_value_is_tes_formula(normalization, zero_centered_gamma):
+    """graph_fp8.norm.unrounded against float64 arithmetic of TE's formula on the same
+    statistics (the rounding of its float32 steps is the GPU test's to check)."""
+    from te_compile.graph_fp8.norm import unrounded
+    from te_compile.spec import NormSpec
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    gamma, beta = torch.randn(32, dtype=torch.bfloat16), torch.randn(32, dtype=torch.bfloat16)
+    spec = NormSpec(normalization=normalization, zero_centered_gamma=zero_centered_gamma)
+    xd, gd = x.double(), gamma.double() + (1 if zero_centered_gamma else 0)
+    if normalization == "RMSNorm":
+        mu, rsigma = torch.empty(0), (xd.pow(2).mean(1) + 1e-5).rsqrt().float()
+        want = xd * rsigma.double()[:, None] * gd
+    else:
+        mu = xd.mean(1).float()
+        rsigma = (xd.var(1, unbiased=False) + 1e-5).rsqrt().float()
+        want = (xd - mu.double()[:, None]) * rsigma.double()[:, None] * gd + beta.double()
+    got = unrounded(x, gamma, beta, mu, rsigma, spec)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
+    # and not the bf16 rounding TE's bf16-output kernel stores
+    assert not torch.equal(got, got.bfloat16().float())
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "relu"])
@@ -116,9 +143,9 @@ def test_large_transposes_use_tes_kernel(patched):
 
 
 def test_inference_under_no_grad_takes_the_graph_path(patched, graph_breaks):
-    """Eval mode under no_grad: the graph path's forward alone (4 scaled GEMMs per layer), and
-    the TE-kernel path for DelayedScaling's norm layers, both without a backward to save for."""
-    for recipe, want in ((R.Float8CurrentScaling(), 8), (R.DelayedScaling(), 2)):
+    """Eval mode under no_grad: the graph path's forward alone (4 scaled GEMMs per layer; 2
+    under DelayedScaling, whose LayerNormMLP stays on TE's op), without a backward to save for."""
+    for recipe, want in ((R.Float8CurrentScaling(), 8), (R.DelayedScaling(), 4)):
         rec = JointRecorder()
         with te_compile.simulate_gpu("hopper"), graph_fp8(), torch.no_grad():
             layers = _layers().eval()

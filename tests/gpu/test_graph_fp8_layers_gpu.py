@@ -120,6 +120,64 @@ def test_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
             assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
 
 
+def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, steps: int = 4):
+    """te.LayerNormLinear (no bias: DelayedScaling's graph-path dbias is not TE's sum order)
+    trained with DelayedScaling: per step the output, gradients and TE's amax histories and
+    scales."""
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    m = te.LayerNormLinear(
+        256,
+        512,
+        bias=False,
+        normalization=normalization,
+        zero_centered_gamma=zcg,
+        params_dtype=torch.bfloat16,
+    )
+    with torch.no_grad():
+        m.layer_norm_weight.add_(0.1 * torch.randn_like(m.layer_norm_weight))
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    recipe = R.DelayedScaling(amax_history_len=4)
+
+    def fn(x):
+        with te.autocast(recipe=recipe):
+            return m(x)
+
+    fn = torch.compile(fn, fullgraph=True) if compiled else fn
+    records = []
+    torch.manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
+        x.requires_grad_()
+        y = fn(x)
+        y.backward(torch.randn_like(y))
+        records.append([y.detach().clone(), x.grad.clone()])
+        records[-1] += [p.grad.clone() for p in m.parameters()]
+        for key in ("scaling_fwd", "scaling_bwd"):
+            meta = m.fp8_meta[key]
+            records[-1] += [meta.amax_history.clone(), meta.scale.clone()]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return records
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zcg", [False, True], ids=["gamma", "zero_centered"])
+def test_delayed_layernorm_linear_trains_as_eager_te(normalization, zcg, patched):
+    """DelayedScaling's fused norm + cast quantizes the norm's float32 value; the graph path
+    recomputes it from TE's mu/rsigma (graph_fp8/norm.py). 4 SGD steps with inputs of growing
+    scale (the scales move) against eager TE: outputs, gradients, amax histories and scales
+    bit-identical at every step."""
+    want = _train_ln_linear(False, normalization, zcg)
+    with graph_fp8():
+        got = _train_ln_linear(True, normalization, zcg)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+    assert not torch.equal(want[-1][-2], want[0][-2]), "the backward history never moved"
+
+
 # TransformerLayer option sets (tests/attention_cases.py) whose LayerNormLinear and LayerNormMLP
 # take the graph path (RMSNorm + SwiGLU: the QKV projection only), compared with eager TE by
 # test_transformer_layer_gpu.py's check (eager's bf16 rounding of the elementwise code between
