@@ -9,6 +9,11 @@ GPU time goes.
 `--off aten_fp8_gemm` turns te_compile options off and `--on graph_fp8` turns them on
 (te_compile.configure), to measure what each saves.
 
+`--inductor combo_kernels=1,guards=nn_modules` passes inductor options to torch.compile
+(`options=`; reduce-overhead then adds `triton.cudagraphs`), `guards=` one of torch.compiler's
+guard filters (`nn_modules`: skip_guard_on_all_nn_modules_unsafe, `globals`, `all`): what a
+user's compile settings change. `--head-dim` sets the attention heads' width (default 128).
+
 `--modes`: eager, compile (default mode), reduce-overhead (CUDA graphs: the step marks its
 start with `torch.compiler.cudagraph_mark_step_begin`); `--stack torch-transformer --recipes
 bf16` profiles the plain PyTorch block for comparison.
@@ -39,6 +44,7 @@ import torch
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(__file__))
 
+import stacks  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 from stacks import build  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
@@ -54,7 +60,28 @@ RECIPES = {
 }
 
 
-def make_train_step(model, recipe, mode: str, x, grad):
+GUARD_FILTERS = {
+    "nn_modules": "skip_guard_on_all_nn_modules_unsafe",
+    "globals": "skip_guard_on_globals_unsafe",
+    "all": "skip_all_guards_unsafe",
+}
+
+
+def compile_options(spec: str, graphs: bool) -> dict | None:
+    """torch.compile's `options` from `--inductor` (None: none given, `mode` is used)."""
+    if not spec:
+        return None
+    options = {"triton.cudagraphs": True} if graphs else {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        if key == "guards":
+            options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS[value])
+        else:
+            options[key] = bool(int(value)) if value in ("0", "1") else value
+    return options
+
+
+def make_train_step(model, recipe, mode: str, x, grad, inductor: str = ""):
     def fwd(inp):
         with te.autocast(enabled=recipe is not None, recipe=recipe):
             return model(inp)
@@ -63,7 +90,9 @@ def make_train_step(model, recipe, mode: str, x, grad):
     if mode == "eager":
         fn = fwd
     else:
-        fn = torch.compile(fwd, fullgraph=True, mode="reduce-overhead" if graphs else None)
+        options = compile_options(inductor, graphs)
+        graph_mode = "reduce-overhead" if graphs and options is None else None
+        fn = torch.compile(fwd, fullgraph=True, mode=graph_mode, options=options)
 
     def step():
         if graphs:
@@ -136,7 +165,10 @@ def main() -> None:
     p.add_argument("--modes", default="eager,compile")
     p.add_argument("--off", default="", help="te_compile options to turn off, comma-separated")
     p.add_argument("--on", default="", help="te_compile options to turn on, comma-separated")
+    p.add_argument("--inductor", default="", help="torch.compile options, e.g. combo_kernels=1")
+    p.add_argument("--head-dim", type=int, default=stacks.HEAD_DIM)
     args = p.parse_args()
+    stacks.HEAD_DIM = args.head_dim
     te_compile.patch()
     off = [name for name in args.off.split(",") if name]
     on = [name for name in args.on.split(",") if name]
@@ -152,7 +184,7 @@ def main() -> None:
             x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
             x.requires_grad_(True)
             grad = torch.randn_like(x)
-            step = make_train_step(model, RECIPES[name](), mode, x, grad)
+            step = make_train_step(model, RECIPES[name](), mode, x, grad, args.inductor)
             for _ in range(5):
                 step()
             ms = issue_ms(step)
@@ -163,7 +195,7 @@ def main() -> None:
             print(f"{name:8} {mode:8} issue {ms:.3f} ms, GPU {gpu_ms:.3f} ms", flush=True)
     print(
         f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {list(x.shape)}, "
-        f"{torch.cuda.get_device_name()}, options off: {off or 'none'}: CPU ms to issue one "
+        f"{torch.cuda.get_device_name()}, options off: {off or 'none'}, on: {on or 'none'}, inductor: {args.inductor or 'defaults'}, heads of {args.head_dim}: CPU ms to issue one "
         "fwd+bwd step / GPU ms of its kernels / kernel launches"
     )
     modes = args.modes.split(",")

@@ -16,8 +16,8 @@ device from a tensor argument outside any list.
 "sbhd_sbhd_sbhd". The ops take the packed buffers themselves and slice q/k/v inside: TE's C++
 reads q/k/v through the layout's strides from their data pointers, so the views must really
 share one buffer, which only holds inside the op (a compiler may copy views of a graph
-intermediate apart). Backward returns one gradient per `qkv` tensor (packed gradients are
-stacked from dq/dk/dv: the same values, one copy).
+intermediate apart). Backward returns one gradient per `qkv` tensor (a packed gradient is
+TE's own buffer of dq/dk/dv, or stacked from them where they are not its slices).
 
 Inside the kernels: TE's own `fused_attn_fwd` / `fused_attn_bwd` (cpp_extensions), with the
 arguments eager TE's FusedAttnFunc passes for F16/BF16 inputs without bias, softmax offset,
@@ -89,10 +89,40 @@ def _join_grads(dq, dk, dv, qkv_layout: str) -> list[torch.Tensor]:
     """Gradients shaped as the `qkv` tensors of `qkv_layout`."""
     parts = qkv_layout.split("_")
     if len(parts) == 1:
-        return [torch.stack((dq, dk, dv), dim=_interleave_dim(parts[0]))]
+        return [_packed((dq, dk, dv), _interleave_dim(parts[0]))]
     if len(parts) == 2:
-        return [dq, torch.stack((dk, dv), dim=_interleave_dim(parts[1]))]
+        return [dq, _packed((dk, dv), _interleave_dim(parts[1]))]
     return [dq, dk, dv]
+
+
+def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
+    """`torch.stack(grads, dim)`, contiguous. TE's backward writes a packed layout's gradients
+    into one buffer and returns views of it; where they are exactly the slices of that stacked
+    tensor, the buffer is returned as it is (as eager TE's SplitAlongDim backward does) instead
+    of copied."""
+    first = grads[0]
+    shape = list(first.shape)
+    shape.insert(dim % (first.dim() + 1), len(grads))
+    storage = first.untyped_storage()
+    end = (first.storage_offset() + first.numel() * len(grads)) * first.element_size()
+    if first.is_meta or end > storage.nbytes():
+        return torch.stack(grads, dim=dim)
+    whole = first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
+    ptr = storage.data_ptr()
+    for i, g in enumerate(grads):
+        part = whole.select(dim, i)
+        same = g.untyped_storage().data_ptr() == ptr and g.storage_offset() == part.storage_offset()
+        if not (same and g.stride() == part.stride() and g.shape == part.shape):
+            return torch.stack(grads, dim=dim)
+    return whole
+
+
+def _contiguous_strides(shape: list[int]) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return strides[::-1]
 
 
 def _stats_shape(q: torch.Tensor, qkv_layout: str) -> tuple[int, ...]:

@@ -391,3 +391,22 @@ def test_te_capture_refusal_named(monkeypatch):
     with pytest.raises(RuntimeError) as info:
         _call_fwd_kernel("sbhd_sbhd_sbhd")
     assert info.value is other
+
+
+@pytest.mark.parametrize("layout", ["sb3hd", "sbh3d", "bs3hd", "sbhd_sb2hd", "bshd_bsh2d"])
+def test_packed_gradients_are_tes_buffer_not_a_copy(layout):
+    """Where TE's backward returns dq/dk/dv as slices of one packed buffer, the op returns that
+    buffer (no copy); other gradients are stacked; values equal torch.stack's either way."""
+    from te_compile.ops.attention import _join_grads, split_qkv
+
+    shapes = {"sb3hd": (S, B, 3, H, D), "sbh3d": (S, B, H, 3, D), "bs3hd": (B, S, 3, H, D)}
+    shapes |= {"sbhd_sb2hd": (S, B, 2, H, D), "bshd_bsh2d": (B, S, H, 2, D)}
+    packed = torch.randn(shapes[layout])
+    q = torch.randn(packed.shape[:-3] + (H, D)) if "_" in layout else None
+    tes_grads = split_qkv([packed] if q is None else [q, packed], layout)
+    joined = _join_grads(*tes_grads, layout)[-1]
+    assert joined.data_ptr() == packed.data_ptr() and torch.equal(joined, packed)
+    copies = [g.clone() for g in tes_grads]  # apart: the op stacks them
+    stacked = _join_grads(*copies, layout)[-1]
+    assert stacked.is_contiguous() and torch.equal(stacked, packed)
+    assert stacked.data_ptr() != packed.data_ptr()
