@@ -99,22 +99,23 @@ def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     """`torch.stack(grads, dim)`, contiguous. TE's backward writes a packed layout's gradients
     into one buffer and returns views of it; where they are exactly the slices of that stacked
     tensor, the buffer is returned as it is (as eager TE's SplitAlongDim backward does) instead
-    of copied."""
+    of copied. (Pointer arithmetic, not view ops: this runs every step.)"""
     first = grads[0]
     shape = list(first.shape)
-    shape.insert(dim % (first.dim() + 1), len(grads))
-    storage = first.untyped_storage()
-    end = (first.storage_offset() + first.numel() * len(grads)) * first.element_size()
-    if first.is_meta or end > storage.nbytes():
-        return torch.stack(grads, dim=dim)
-    whole = first.as_strided(shape, _contiguous_strides(shape), first.storage_offset())
-    ptr = storage.data_ptr()
-    for i, g in enumerate(grads):
-        part = whole.select(dim, i)
-        same = g.untyped_storage().data_ptr() == ptr and g.storage_offset() == part.storage_offset()
-        if not (same and g.stride() == part.stride() and g.shape == part.shape):
-            return torch.stack(grads, dim=dim)
-    return whole
+    d = dim % (first.dim() + 1)
+    shape.insert(d, len(grads))
+    strides = _contiguous_strides(shape)
+    size = first.element_size()
+    gap, ptr, slice_strides = strides[d] * size, first.data_ptr(), (*strides[:d], *strides[d + 1 :])
+    # `first`'s own allocation must hold every slice (adjacent tensors may be apart).
+    end = (first.storage_offset() + first.numel() * len(grads)) * size
+    if not first.is_meta and end <= first.untyped_storage().nbytes():
+        if all(
+            g.stride() == slice_strides and g.data_ptr() == ptr + i * gap
+            for i, g in enumerate(grads)
+        ):
+            return first.as_strided(shape, strides, first.storage_offset())
+    return torch.stack(grads, dim=dim)
 
 
 def _contiguous_strides(shape: list[int]) -> list[int]:

@@ -299,6 +299,23 @@ def test_fused_attn_ops_opcheck(layout):
     )
 
 
+@pytest.mark.parametrize("layout", ["sb3hd", "bsh3d", "sbhd_sb2hd"])
+def test_packed_gradients_are_not_copied(layout):
+    """The backward op hands back TE's packed gradient buffer: no stack/cat kernel runs (the
+    values are compared with eager TE's by the tests above)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    args = cases.fused_attn_bwd_args(cases.fused_attn_fwd_args(layout, "causal"))
+    torch.ops.te_compile.fused_attn_bwd(*args)  # warm cuDNN's graph cache
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        grads = torch.ops.te_compile.fused_attn_bwd(*args)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not [k for k in kernels if "Cat" in k or "stack" in k], kernels
+    assert grads[-1].is_contiguous()
+
+
 def test_fused_attn_fake_matches_real():
     """The fake kernel's shapes, dtypes and strides are the real kernel's (inductor asserts
     them on every call)."""
