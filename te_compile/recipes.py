@@ -92,8 +92,11 @@ def _dtype_name(recipe, fprop: bool) -> str:
 
 def _split_acc(recipe) -> tuple[bool, bool, bool]:
     names = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
+    # Looked up in the instance dict (TE's recipes are dataclasses): hasattr's miss on a
+    # recipe without them leaves a guard that raises AttributeError on every call.
+    fields = vars(recipe)
     return tuple(
-        getattr(recipe, n).use_split_accumulator if hasattr(recipe, n) else default
+        fields[n].use_split_accumulator if n in fields else default
         for n, default in zip(names, _DEFAULT_SPLIT_ACC, strict=True)
     )
 

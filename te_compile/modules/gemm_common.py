@@ -4,8 +4,8 @@ the activation dtype, DelayedScaling state, FP8 weight caches, and the one-GEMM 
 skeleton (begin_forward, gemm_state, end_forward). Error messages name the module (`name`).
 
 Everything here runs while dynamo traces a patched forward: it reads module attributes and the
-autocast state as trace-time constants and calls only traceable code (or
-`assume_constant_result` functions, see persistent_state.py).
+autocast state as trace-time constants (each read a guard run every call: tests/cpu/test_guards.py)
+and calls only traceable code (or `assume_constant_result` functions, see persistent_state.py).
 """
 
 from __future__ import annotations
@@ -179,8 +179,11 @@ def check_module_options(
         raise unsupported(name, "fp8_output=True", "pass fp8_output=False")
     if fp8 and fp8_grad:
         raise unsupported(name, "fp8_grad=True", "pass fp8_grad=False")
+    # The instance dict (TE sets them in __init__): a getattr miss would leave a guard running
+    # nn.Module.__getattr__'s miss path every call (half a TransformerLayer's guard time).
+    options = m.__dict__
     for option in _USERBUFFERS:
-        if getattr(m, option, False):
+        if options.get(option, False):
             raise unsupported(name, f"userbuffers overlap ({option}=True)", f"set {option}=False")
     if m.fsdp_group is not None:
         raise unsupported(name, "TE-managed FSDP (fsdp_group)", "use FSDP2")
@@ -215,10 +218,11 @@ def check_main_grad(name: str, weight) -> None:
 
 
 def activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
-    """TE's set_activation_dtype, without writing it to the module."""
+    """TE's set_activation_dtype, not writing to the module; its own parameters (TE's GEMM
+    modules have none in submodules: recursing costs a fifth of a layer's guard time)."""
     if torch.is_autocast_enabled("cuda"):
         return torch.get_autocast_dtype("cuda")
-    for pname, param in m.named_parameters():
+    for pname, param in m.named_parameters(recurse=False):
         if param is not None and param.dtype != inp.dtype:
             raise TypeError(
                 "Data types for parameters must match when outside of autocasted region. "
@@ -237,11 +241,8 @@ def check_fp8_dims(**tensors: torch.Tensor) -> None:
     """TE's assert_dim_for_fp8_exec, as a ValueError naming the tensor."""
     for tname, t in tensors.items():
         if math.prod(t.shape[:-1]) % 8 != 0 or t.shape[-1] % 16 != 0:
-            raise ValueError(
-                f"FP8 execution requires the {tname}'s product of all dimensions except "
-                "the last to be divisible by 8 and its last dimension to be divisible by "
-                f"16, got {list(t.shape)}"
-            )
+            msg = "product of all dimensions but the last divisible by 8, the last by 16, got"
+            raise ValueError(f"FP8 execution requires the {tname}'s {msg} {list(t.shape)}")
 
 
 # ---- persistent state --------------------------------------------------------------------------

@@ -111,8 +111,10 @@ def scans() -> int:
 
 
 def is_prepared(module) -> bool:
-    """Whether te_compile.prepare() registered `module` (traced: a guard on a plain value)."""
-    return bool(getattr(module, PREPARED_ATTR, False))
+    """Whether te_compile.prepare() registered `module` (traced: a guard on a plain value; read
+    from the instance dict, where prepare() sets it: getattr's miss on an nn.Module leaves a
+    guard that runs nn.Module.__getattr__ on every call)."""
+    return bool(module.__dict__.get(PREPARED_ATTR, False))
 
 
 def _modules(prepared: bool) -> list:
