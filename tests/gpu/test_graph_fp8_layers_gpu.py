@@ -75,19 +75,10 @@ def test_bias_grad_is_tes_bgrad(shape, patched):
     assert torch.equal(got, want)
 
 
-def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
-    torch._dynamo.reset()
-    FGS.reset()
-    torch.manual_seed(0)
-    m = te.LayerNormMLP(
-        256, 1024, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
-    )
-    with torch.no_grad():
-        for p in m.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+def _train(m, recipe, compiled: bool, make_input, steps: int, state=lambda m: []) -> list:
+    """`steps` SGD steps of `m` under `recipe` (compiled or eager TE): per step the output, the
+    input's and every parameter's gradient, then `state(m)`."""
     opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    recipe = R.Float8CurrentScaling()
 
     def fn(x):
         with te.autocast(recipe=recipe):
@@ -96,15 +87,43 @@ def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
     fn = torch.compile(fn, fullgraph=True) if compiled else fn
     records = []
     torch.manual_seed(1)
-    for _ in range(steps):
-        x = torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for step in range(steps):
+        x = make_input(step).requires_grad_()
         y = fn(x)
         y.backward(torch.randn_like(y))
         records.append([y.detach().clone(), x.grad.clone()])
-        records[-1] += [p.grad.clone() for p in m.parameters()]
+        records[-1] += [p.grad.clone() for p in m.parameters()] + state(m)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return records
+
+
+def _assert_identical(got: list, want: list) -> None:
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+
+
+def _fresh(seed: int = 0) -> None:
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(seed)
+
+
+def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
+    _fresh()
+    m = te.LayerNormMLP(
+        256, 1024, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
+    )
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+
+    def make_input(step):
+        return torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16)
+
+    return _train(m, R.Float8CurrentScaling(), compiled, make_input, steps)
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -115,18 +134,14 @@ def test_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
     want = _train_mlp(False, normalization, bias)
     with graph_fp8():
         got = _train_mlp(True, normalization, bias)
-    for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        for i, (u, v) in enumerate(zip(a, b, strict=True)):
-            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+    _assert_identical(got, want)
 
 
 def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, steps: int = 4):
     """te.LayerNormLinear (no bias: DelayedScaling's graph-path dbias is not TE's sum order)
     trained with DelayedScaling: per step the output, gradients and TE's amax histories and
     scales."""
-    torch._dynamo.reset()
-    FGS.reset()
-    torch.manual_seed(0)
+    _fresh()
     m = te.LayerNormLinear(
         256,
         512,
@@ -137,29 +152,15 @@ def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, steps: int =
     )
     with torch.no_grad():
         m.layer_norm_weight.add_(0.1 * torch.randn_like(m.layer_norm_weight))
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    recipe = R.DelayedScaling(amax_history_len=4)
 
-    def fn(x):
-        with te.autocast(recipe=recipe):
-            return m(x)
+    def make_input(step):  # growing scale: the scales move
+        return torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
 
-    fn = torch.compile(fn, fullgraph=True) if compiled else fn
-    records = []
-    torch.manual_seed(1)
-    for step in range(steps):
-        x = torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
-        x.requires_grad_()
-        y = fn(x)
-        y.backward(torch.randn_like(y))
-        records.append([y.detach().clone(), x.grad.clone()])
-        records[-1] += [p.grad.clone() for p in m.parameters()]
-        for key in ("scaling_fwd", "scaling_bwd"):
-            meta = m.fp8_meta[key]
-            records[-1] += [meta.amax_history.clone(), meta.scale.clone()]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return records
+    def state(m):
+        metas = (m.fp8_meta[key] for key in ("scaling_fwd", "scaling_bwd"))
+        return [t.clone() for meta in metas for t in (meta.amax_history, meta.scale)]
+
+    return _train(m, R.DelayedScaling(amax_history_len=4), compiled, make_input, steps, state)
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -172,9 +173,7 @@ def test_delayed_layernorm_linear_trains_as_eager_te(normalization, zcg, patched
     want = _train_ln_linear(False, normalization, zcg)
     with graph_fp8():
         got = _train_ln_linear(True, normalization, zcg)
-    for step, (a, b) in enumerate(zip(got, want, strict=True)):
-        for i, (u, v) in enumerate(zip(a, b, strict=True)):
-            assert torch.equal(u, v), f"step {step} tensor {i}: {(u - v).abs().max()}"
+    _assert_identical(got, want)
     assert not torch.equal(want[-1][-2], want[0][-2]), "the backward history never moved"
 
 
