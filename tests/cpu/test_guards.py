@@ -50,5 +50,10 @@ def _linear():
 def test_no_guard_on_a_missing_module_attribute(make, recipe, prepare, patched):
     lines = guard_lines(make, recipe(), prepare)
     assert any("te_compile/" in line for line in lines)  # the compile path was traced
-    missing = [line.strip() for line in lines if "NO_HASATTR" in line and "te_compile/" in line]
+    # (torch 2.11 prints dynamo's own dynamic-dims marker check on each tensor this way too.)
+    missing = [
+        line.strip()
+        for line in lines
+        if "NO_HASATTR" in line and "te_compile/" in line and "_dynamo_dynamic_indices" not in line
+    ]
     assert not missing, "\n".join(missing)
