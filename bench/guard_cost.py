@@ -1,0 +1,99 @@
+"""What dynamo's guards cost a compiled step on every call, measured without a GPU.
+
+    python bench/guard_cost.py [--hidden 1024] [--layers 4] [--calls 500]
+
+Each stack of bench/stacks.py is traced under te_compile.simulate_gpu("hopper") (meta tensors,
+`backend="eager"`), and the compiled frame's guard check is timed on its own: the median of 5
+runs of `--calls` checks, in microseconds, on this machine's CPU. Under CUDA graphs a
+small-shape TE step is CPU-bound and its guards are part of that (docs/performance.md,
+session 16), so this is the CPU-side number to watch when a compile path reads more module
+attributes. Rows: TE's TransformerLayer stack per recipe, the same with torch's
+`skip_guard_on_all_nn_modules_unsafe` filter (what module-attribute guards cost at most), and
+the plain PyTorch block. Counts are guard lines, NO_HASATTR among them (tests/cpu/test_guards.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import stacks  # noqa: E402
+import transformer_engine.pytorch as te  # noqa: E402
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list  # noqa: E402
+from transformer_engine.common import recipe as R  # noqa: E402
+
+import te_compile  # noqa: E402
+
+RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling, "bf16": None}
+ROWS = [  # (stack, recipe, guard filter)
+    ("te-transformer", "current", None),
+    ("te-transformer", "delayed", None),
+    ("te-transformer", "bf16", None),
+    ("te-transformer", "current", "skip_guard_on_all_nn_modules_unsafe"),
+    ("torch-transformer", "bf16", None),
+]
+
+
+def guard_cost(stack: str, recipe_name: str, guard_filter, hidden: int, layers: int, calls: int):
+    """(median us per guard check, guard lines, NO_HASATTR lines) of one compiled forward."""
+    torch._dynamo.reset()
+    make_recipe = RECIPES[recipe_name]
+    options = {"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else None
+    with te_compile.simulate_gpu("hopper"):
+        if stack.startswith("torch"):  # plain PyTorch modules: built on the default device
+            torch.set_default_device("cuda")
+        model = stacks.build(stack, hidden, layers)
+        torch.set_default_device(None)
+        x = torch.randn(512, 1, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        recipe = make_recipe() if make_recipe else None
+
+        def step(x):
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                return model(x)
+
+        torch.compile(step, backend="eager", fullgraph=True, options=options)(x)
+        # Checked inside simulate_gpu: its torch-function mode is part of what the guards check.
+        (entry,) = _debug_get_cache_entry_list(step.__code__)
+        check = entry.guard_manager.check
+        frame_locals = {"x": x, "model": model, "recipe": recipe}  # locals and free variables
+        assert check(frame_locals), entry.guard_manager.check_verbose(frame_locals)
+        runs = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                check(frame_locals)
+            runs.append((time.perf_counter() - t0) / calls * 1e6)
+    lines = str(entry.guard_manager).splitlines()
+    no_hasattr = sum("NO_HASATTR" in s and "_dynamo_dynamic_indices" not in s for s in lines)
+    return statistics.median(runs), len(lines), no_hasattr
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--calls", type=int, default=500)
+    args = p.parse_args()
+    stacks.HEAD_DIM = 64
+    te_compile.patch()
+    print(f"{args.layers} layers, hidden {args.hidden}, torch {torch.__version__}, this CPU:")
+    print("| stack | recipe | guard filter | us per check | guard lines | NO_HASATTR |")
+    print("|---|---|---|---|---|---|")
+    for stack, recipe, guard_filter in ROWS:
+        us, n, missing = guard_cost(
+            stack, recipe, guard_filter, args.hidden, args.layers, args.calls
+        )
+        print(f"| {stack} | {recipe} | {guard_filter or '-'} | {us:.1f} | {n} | {missing} |")
+
+
+if __name__ == "__main__":
+    main()
