@@ -46,7 +46,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import stacks  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
-from stacks import build  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
@@ -179,7 +178,7 @@ def main() -> None:
             torch._dynamo.reset()
             q.FP8GlobalStateManager.reset()
             torch.manual_seed(0)
-            model = build(args.stack, args.hidden, args.layers)
+            model = stacks.build(args.stack, args.hidden, args.layers)
             shape = (args.tokens, args.batch) if args.batch else (args.tokens,)
             x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
             x.requires_grad_(True)
