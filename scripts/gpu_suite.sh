@@ -24,12 +24,12 @@ case "${PART:-all}" in
   2) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
             $g/test_fp8_params_gpu.py) ;;
-  # Float8CurrentScaling's small GEMMs take the graph path by default: PART=3 runs their
+  # Per-tensor recipes' small GEMMs take the graph path by default: PART=3 runs their
   # cases once more on TE's kernels (graph_fp8=False).
   3) export TE_COMPILE_GRAPH_FP8=0
      files=($g/test_linear_gpu.py $g/test_linear_training_gpu.py $g/test_cudagraphs_gpu.py
             $g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
-            $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k current) ;;
+            $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k "current or delayed") ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \

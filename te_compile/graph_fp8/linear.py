@@ -12,7 +12,8 @@ it: m = rows of the result's transpose, A transposed):
 The transposed copies are TE's column-wise data: transposes of the same FP8 bytes. Quantization
 is quantize.py's, traced, so inductor fuses each amax and cast into its neighbours. dbias is
 ATen's row sum (te_compile::bias_grad), as eager TE's bgrad_quantize computes it for current
-scaling; DelayedScaling's fused dbias-cast kernel sums in its own order (within bf16 rounding).
+scaling; with DelayedScaling eager TE fuses dbias into grad_output's cast, whose order of
+additions only its kernel has: that cast runs on TE's kernel (te_compile::delayed_grad_quantize).
 
 The GEMM is called as `torch.ops.aten._scaled_mm`, the operator torchao's float8 training and
 inductor's scaled-GEMM lowering use: the public `F.scaled_mm` wraps `torch._scaled_mm_v2`,
@@ -26,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from .. import options
-from ..kernels.fp8_operands import DELAYED_SLOT
+from ..kernels.fp8_operands import delayed_slot
 from ..recipes import ROLES, QuantConfig
 from . import quantize
 
@@ -48,6 +49,8 @@ class LinearFP8(NamedTuple):
 # 4 TransformerLayers of H=1024 and 2048); above it the GPU bounds the step and TE's fused
 # kernels are faster (TE's guide layer, 2^40 per FC1: 5-7%).
 AUTO_MAX_MACS = 1 << 36
+# ... for these recipes, where the graph path is bit-identical to eager TE (docs/graph_fp8.md).
+AUTO_KINDS = ("current", "delayed")
 
 
 def _rows(inp: torch.Tensor):
@@ -61,9 +64,8 @@ def wanted(cfg: QuantConfig, inp: torch.Tensor, *weights: torch.Tensor) -> bool:
     setting = options.current().graph_fp8
     if setting is not None:
         return setting
-    # Float8CurrentScaling only: DelayedScaling's dbias on the graph path is not TE's sum order.
     rows = _rows(inp)
-    return cfg.kind == "current" and all(
+    return cfg.kind in AUTO_KINDS and all(
         rows * w.shape[0] * w.shape[1] <= AUTO_MAX_MACS for w in weights
     )
 
@@ -132,9 +134,10 @@ def dgrad(gq, g_si, wq, w_si, out_dtype, acc: bool):
     return _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, acc)
 
 
-def wgrad(gq, g_si, xq, x_si, out_dtype, acc: bool):
-    """dw = dy.T @ x, reading the transposed copies of both."""
-    return _gemm(_transposed(gq), g_si, _column_major(xq), x_si, out_dtype, acc)
+def wgrad(gq, g_si, xq, x_si, out_dtype, acc: bool, gq_t=None):
+    """dw = dy.T @ x, reading the transposed copies of both (`gq_t`: dy's, if already made)."""
+    gq_t = _transposed(gq) if gq_t is None else gq_t
+    return _gemm(gq_t, g_si, _column_major(xq), x_si, out_dtype, acc)
 
 
 def bias_grad(dy2d: torch.Tensor) -> torch.Tensor:
@@ -160,10 +163,10 @@ class _LinearFunction(torch.autograd.Function):
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             if value is None:
-                xq, x_si, x_amax = _quantize_delayed(x2d, fwd_scale, cfg, 0)
+                xq, x_si, x_amax = quantize_delayed(x2d, fwd_scale, cfg, 0)
             else:  # a fused producer's float32 value (graph_fp8/norm.py), cast as TE casts it
-                xq, x_si, x_amax = _quantize_delayed(value, fwd_scale, cfg, 0, stored=False)
-            wq, w_si, w_amax = _quantize_delayed(weight, fwd_scale, cfg, 1)
+                xq, x_si, x_amax = quantize_delayed(value, fwd_scale, cfg, 0, stored=False)
+            wq, w_si, w_amax = quantize_delayed(weight, fwd_scale, cfg, 1)
             amaxes = torch.cat([x_amax, w_amax, torch.zeros_like(x_amax)])  # output slot: none
         y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
         ctx.save_for_backward(xq, x_si, wq, w_si)
@@ -180,6 +183,7 @@ class _LinearFunction(torch.autograd.Function):
         cfg, out_dtype = ctx.call.cfg, ctx.call.out_dtype
         bwd_scale, bwd_history = ctx.bwd_state
         dy2d = dy.reshape(-1, dy.shape[-1])
+        gq_t = fused_dbias = None
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
@@ -187,29 +191,49 @@ class _LinearFunction(torch.autograd.Function):
             # place, inductor (torch 2.11) scheduled the fused cast after the update's write
             # and quantized with the new scale (H100: aot_eager exact, inductor not).
             scale = torch.ops.te_compile.scale_snapshot(bwd_scale)
-            gq, g_si, g_amax = _quantize_delayed(dy2d, scale, cfg, 2)
+            if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
+                fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scale, cfg)
+            else:
+                gq, g_si, g_amax = quantize_delayed(dy2d, scale, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = dgrad(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1]).reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            dw = wgrad(gq, g_si, xq, x_si, out_dtype, cfg.split_acc[2])
+            dw = wgrad(gq, g_si, xq, x_si, out_dtype, cfg.split_acc[2], gq_t)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            dbias = bias_grad(dy2d)
+            dbias = bias_grad(dy2d) if fused_dbias is None else fused_dbias
         if bwd_scale is not None:
-            _update_backward_state(cfg, bwd_scale, bwd_history, g_amax)
+            update_backward_state(cfg, bwd_scale, bwd_history, [g_amax])
         return dx, dw, dbias, None, None, None, None, None
 
 
-def _quantize_delayed(t, scales: torch.Tensor, cfg: QuantConfig, role: int, stored=True):
-    slot = DELAYED_SLOT[ROLES[role]]  # TE's slot of the role in its direction's state
+def quantize_delayed(t, scales: torch.Tensor, cfg: QuantConfig, role: int, stored=True, gemm=0):
+    """DelayedScaling's (FP8 data, scale_inv, amax) of `t` for `role` (an index into ROLES) of
+    GEMM `gemm`, with the scale of TE's slot in `scales` (its direction's state). `stored`: the
+    bf16 value `t` holds; else `t` is a fused producer's float32 value, cast as TE casts it."""
+    slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
     return quantize.quantize_delayed(t, scales[slot : slot + 1], cfg.dtypes[role])
 
 
-def _update_backward_state(cfg: QuantConfig, scale, history, grad_amax) -> None:
-    """Record grad_output's amax into row 0 of TE's backward history (max with what is there,
-    as TE's cast records it) and run DelayedScaling's update of this module's backward state."""
-    latest = torch.cat([torch.maximum(history[0, :1], grad_amax), history[0, 1:]])
+def delayed_grad_with_dbias(grad2d, scales, cfg: QuantConfig, gemm=0, act_input=None, act=""):
+    """(dbias, FP8 data, its transpose, scale_inv, amax) of `grad2d` by TE's fused kernel
+    (te_compile::delayed_grad_quantize): grad_output's of GEMM `gemm`, or with `act_input` the
+    activation `act`'s gradient (LayerNormMLP's FC1)."""
+    slot = delayed_slot("grad", gemm)
+    return torch.ops.te_compile.delayed_grad_quantize(
+        grad2d, act_input, scales[slot : slot + 1], cfg.key, act
+    )
+
+
+def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:
+    """Record the module's grad_output amaxes (one per GEMM, in GEMM order)
+    into row 0 of TE's backward history (max with what is there, as TE's cast
+    records it) and run DelayedScaling's update of the module's backward state."""
+    zero = history.new_zeros(1)
+    # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
+    recorded = torch.cat([t for a in grad_amaxes for t in (a, zero)])
+    latest = torch.maximum(history[0], recorded[: history.shape[1]])
     torch.ops.te_compile.amax_and_scale_update(
         [history], [scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update, latest
     )

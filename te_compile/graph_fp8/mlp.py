@@ -27,8 +27,14 @@ same multiply-adds fused): on an H100 every one of the 65,536 bfloat16 inputs gi
 float32 result bit for bit (tests/gpu/test_graph_fp8_gpu.py). Eagerly, without fused
 multiply-adds, a few hundred differ: this path is for compiled graphs only.
 
-DelayedScaling is left to TE's kernels: its norm and activation kernels cast their float32
-results straight to FP8, which a graph reading their bf16 outputs cannot reproduce.
+With DelayedScaling (a stored scale per tensor, TE's slots: forward FC1 input 0, FC1 weight
+1, FC2 input 3, FC2 weight 4; backward FC1 grad_output 0, FC2 grad_output 2), eager TE's kernels
+cast float32 values straight to FP8 and record their amax: the norm's (the caller passes it,
+graph_fp8/norm.py), the GELU's (`tex.gelu` with a Float8Quantizer) and the GELU gradient's
+(`tex.dbias_dgelu`, which also sums FC1's dbias). Here the first two are cast from the same
+float32 values in the graph; the third too without biases, while with biases both dbias sums
+come from TE's fused kernels (te_compile::delayed_grad_quantize), whose order of additions only
+they have. The module's backward state is updated at the end of its backward, as te.Linear's.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from . import linear, quantize
 
 ACTIVATIONS = ("gelu",)
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2  # indices into recipes.ROLES
+_FC1, _FC2 = 0, 1  # the GEMMs, as TE numbers their DelayedScaling slots
 
 
 class MLPFP8(NamedTuple):
@@ -53,8 +60,8 @@ class MLPFP8(NamedTuple):
 
 def applies(cfg: QuantConfig, activation: str, x, w1, w2, dtype) -> str:
     """ "" when the graph MLP computes this call, else why not (TE's kernels run then)."""
-    if cfg.kind != "current":
-        return f"recipe kind {cfg.kind!r} (the graph MLP has Float8CurrentScaling)"
+    if cfg.kind not in ("current", "delayed"):
+        return f"recipe kind {cfg.kind!r} (the graph MLP has per-tensor recipes)"
     if activation not in ACTIVATIONS:
         return f"activation {activation!r} (the graph MLP has TE's tanh GELU)"
     return linear.applies(cfg, x, w1, dtype) or linear.applies(cfg, x, w2, dtype)
@@ -82,37 +89,89 @@ def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
     return quantize.cast(quantize.stored_bf16(act), scale, fp8), quantize.reciprocal(scale)
 
 
+def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales, cfg: QuantConfig):
+    """tex.gelu with a DelayedScaling quantizer: the float32 GELU cast with FC2's input scale,
+    its amax recorded."""
+    return linear.quantize_delayed(gelu(fc1_out.float()), scales, cfg, _INPUT, False, _FC2)
+
+
 class _MLPFunction(torch.autograd.Function):
+    """DelayedScaling passes `fwd_scale` (a snapshot of TE's forward scales), `bwd_scale` and
+    `bwd_history` (TE's backward state, updated at the end of backward) and `x_value` (the
+    norm's float32 value, cast in place of `x`); the forward then also returns the amaxes of the
+    forward slots for the caller's history merge (an empty tensor otherwise)."""
+
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, call: MLPFP8):
+    def forward(ctx, x, w1, b1, w2, b2, fwd_scale, bwd_scale, bwd_history, call: MLPFP8, x_value):
         cfg, dtype, acc = call.cfg, call.out_dtype, call.cfg.split_acc
-        xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
-        w1q, w1_si = linear.quantize_stored(w1, cfg, _WEIGHT)
-        fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
-        aq, a_si = _quantized_gelu(fc1_out, cfg)
-        w2q, w2_si = linear.quantize_stored(w2, cfg, _WEIGHT)
+        if fwd_scale is None:
+            xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
+            w1q, w1_si = linear.quantize_stored(w1, cfg, _WEIGHT)
+            fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
+            aq, a_si = _quantized_gelu(fc1_out, cfg)
+            w2q, w2_si = linear.quantize_stored(w2, cfg, _WEIGHT)
+            amaxes = x.new_zeros(0, dtype=torch.float32)
+        else:
+            value, stored = (x, True) if x_value is None else (x_value, False)
+            xq, x_si, x_amax = linear.quantize_delayed(value, fwd_scale, cfg, _INPUT, stored)
+            w1q, w1_si, w1_amax = linear.quantize_delayed(w1, fwd_scale, cfg, _WEIGHT)
+            fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
+            aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, fwd_scale, cfg)
+            w2q, w2_si, w2_amax = linear.quantize_delayed(w2, fwd_scale, cfg, _WEIGHT, gemm=_FC2)
+            none = torch.zeros_like(x_amax)  # the GEMM output slots record nothing
+            amaxes = torch.cat([x_amax, w1_amax, none, a_amax, w2_amax, none])
         y = linear.fprop(aq, a_si, w2q, w2_si, dtype, acc[0], b2)
         ctx.save_for_backward(xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si)
         ctx.call, ctx.biases = call, (b1 is not None, b2 is not None)
-        return y
+        # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors.
+        ctx.bwd_state = (bwd_scale, bwd_history)
+        ctx.mark_non_differentiable(amaxes)
+        return y, amaxes
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, _amaxes):
         xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si = ctx.saved_tensors
         cfg, dtype, acc = ctx.call.cfg, ctx.call.out_dtype, ctx.call.cfg.split_acc
         needs = ctx.needs_input_grad
-        db2 = linear.bias_grad(dy) if ctx.biases[1] and needs[4] else None
-        gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
-        dw2 = linear.wgrad(gq, g_si, aq, a_si, dtype, acc[2]) if needs[3] else None
+        bwd_scale, bwd_history = ctx.bwd_state
+        if bwd_scale is None:
+            db2 = linear.bias_grad(dy) if ctx.biases[1] and needs[4] else None
+            gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
+            gq_t = None
+        else:  # quantize with a snapshot: the update below writes the scales (see linear.py)
+            scale = torch.ops.te_compile.scale_snapshot(bwd_scale)
+            if ctx.biases[1]:
+                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
+            else:
+                db2, gq_t = None, None
+                gq, g_si, g2_amax = linear.quantize_delayed(dy, scale, cfg, _GRAD, gemm=_FC2)
+        dw2 = linear.wgrad(gq, g_si, aq, a_si, dtype, acc[2], gq_t) if needs[3] else None
         fc2_dgrad = linear.dgrad(gq, g_si, w2q, w2_si, dtype, acc[1])
-        dact = (dgelu(fc1_out.float()) * fc2_dgrad.float()).to(dtype)
-        db1 = linear.bias_grad(dact) if ctx.biases[0] and needs[2] else None
-        g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
-        dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2]) if needs[1] else None
+        g1q_t = None
+        if bwd_scale is None:
+            dact = (dgelu(fc1_out.float()) * fc2_dgrad.float()).to(dtype)
+            db1 = linear.bias_grad(dact) if ctx.biases[0] and needs[2] else None
+            g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
+        elif ctx.biases[0]:
+            db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
+                fc2_dgrad, scale, cfg, _FC1, act_input=fc1_out, act="gelu"
+            )
+        else:  # tex.dbias_dgelu's FP8 data: the float32 gradient cast unrounded
+            dact = dgelu(fc1_out.float()) * fc2_dgrad.float()
+            g1q, g1_si, g1_amax = linear.quantize_delayed(dact, scale, cfg, _GRAD, False)
+            db1 = None
+        dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
         dx = linear.dgrad(g1q, g1_si, w1q, w1_si, dtype, acc[1]) if needs[0] else None
-        return dx, dw1, db1, dw2, db2, None
+        if bwd_scale is not None:
+            linear.update_backward_state(cfg, bwd_scale, bwd_history, [g1_amax, g2_amax])
+        db1 = db1 if needs[2] else None
+        db2 = db2 if needs[4] else None
+        return dx, dw1, db1, dw2, db2, None, None, None, None, None
 
 
-def mlp(x, w1, b1, w2, b2, call: MLPFP8) -> torch.Tensor:
-    """FC2(GELU(FC1(x))) of 2-D `x` with FP8 GEMMs, as eager TE computes it (module docstring)."""
-    return _MLPFunction.apply(x, w1, b1, w2, b2, call)
+def mlp(x, w1, b1, w2, b2, call: MLPFP8, delayed_state=None, x_value=None):
+    """(FC2(GELU(FC1(x))) of 2-D `x` with FP8 GEMMs as eager TE computes it, amaxes): see the
+    module docstring. `delayed_state` = (forward scale snapshot, backward scale, backward
+    history) with DelayedScaling, else None; `x_value` as graph_fp8.linear.linear's."""
+    fwd_scale, bwd_scale, bwd_history = delayed_state or (None, None, None)
+    return _MLPFunction.apply(x, w1, b1, w2, b2, fwd_scale, bwd_scale, bwd_history, call, x_value)

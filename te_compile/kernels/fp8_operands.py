@@ -34,6 +34,14 @@ from .te_dtypes import te_fp8_dtype
 # DelayedScaling slots in TE's fp8_meta: forward [input, weight, output], backward
 # [grad_output, grad_input] (csrc/common.h); the role picks its slot in its direction's state.
 DELAYED_SLOT = {"input": 0, "weight": 1, "grad": 0}
+# Slots per GEMM: 3 forward (input, weight, output), 2 backward (grad_output, grad_input); GEMM
+# `g` of a module (LayerNormMLP's FC2: 1) uses slots offset by g times that.
+_SLOTS_PER_GEMM = {"input": 3, "weight": 3, "grad": 2}
+
+
+def delayed_slot(role: str, gemm: int = 0) -> int:
+    """The slot of `role` of a module's GEMM `gemm` in its direction's DelayedScaling state."""
+    return DELAYED_SLOT[role] + _SLOTS_PER_GEMM[role] * gemm
 
 
 @functools.lru_cache(maxsize=4096)

@@ -29,18 +29,14 @@ from ..spec import GemmGrads
 from . import extension, tensor_parallel
 from .delayed_update import amax_and_scale_update
 from .fp8_operands import (
-    DELAYED_SLOT,
     check_scale_layout,
     columnwise_parts,
     columnwise_storage,
+    delayed_slot,
     fake_columnwise_parts,
     quantizer,
     weight_cache_storage,
 )
-
-# TE's DelayedScaling slots per GEMM: 3 forward (input, weight, output), 2 backward
-# (grad_output, grad_input); GEMM `g` of a module uses slots offset by g times that.
-_SLOTS_PER_GEMM = {"input": 3, "weight": 3, "grad": 2}
 
 
 def cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -64,10 +60,6 @@ def is_te_storage(t) -> bool:
     return not isinstance(t, torch.Tensor)
 
 
-def _slot(role: str, gemm: int) -> int:
-    return DELAYED_SLOT[role] + _SLOTS_PER_GEMM[role] * gemm
-
-
 @contextlib.contextmanager
 def bound_quantizer(
     cfg: QuantConfig,
@@ -87,7 +79,7 @@ def bound_quantizer(
     if state is None:
         yield q
         return
-    slot = _slot(role, gemm)
+    slot = delayed_slot(role, gemm)
     with extension.with_state(q, state[0][slot], state[1][slot : slot + 1]):
         yield q
 
@@ -112,7 +104,7 @@ def quantize(
     q = quantizer(cfg, role, rowwise=rowwise, columnwise=columnwise, weight_shape=shape)
     if state is None:
         return _run_quantize(tensor, q, into, noop, bgrad)
-    slot = _slot(role, gemm)
+    slot = delayed_slot(role, gemm)
     with extension.with_state(q, state[0][slot], state[1][slot : slot + 1]):
         return _run_quantize(tensor, q, into, noop, bgrad)
 

@@ -1,8 +1,12 @@
-"""FP8 dtype names, as ops carry them, to TE's `DType` enum."""
+"""FP8 dtype names, as ops carry them, to TE's `DType` enum and torch's dtypes."""
 
 from __future__ import annotations
 
+import torch
+
 FP8_DTYPES = ("e4m3", "e5m2")
+# torch's dtypes of the same formats (how FP8 data crosses op boundaries)
+TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
 def te_fp8_dtype(name: str):

@@ -21,6 +21,7 @@ import torch
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..graph_fp8 import linear as graph_linear
 from ..graph_fp8 import mlp as graph_mlp
+from ..graph_fp8 import norm as graph_norm
 from ..kernels import activation
 from ..ops.layernorm_mlp import MLPSpec
 from ..ops.layernorm_mlp_layout import MLPFlags
@@ -140,14 +141,21 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     )
     plumbing = (op_w1, op_w2, main1, main2, parallel, is_first_microbatch)
     if _graph_path_applies(self, cfg, inp, act_dtype, plumbing):
-        # The graph path: TE's norm kernel, then the MLP's FP8 as graph operations (eager TE
-        # quantizes this norm output from its bf16 values: the same bytes).
+        # The graph path: TE's norm kernel, then the MLP's FP8 as graph operations. Current
+        # scaling quantizes the norm's bf16 output, as eager TE; DelayedScaling's fused norm
+        # casts its float32 value, recomputed from TE's statistics (as LayerNormLinear's).
         x = inp.view(-1, inp.shape[-1])
+        ln_w = ln_w.to(act_dtype)
         ln_b = ln_b.to(act_dtype) if ln_b is not None else None
-        ln_out = torch.ops.te_compile.norm_fwd(x, ln_w.to(act_dtype), ln_b, norm.key)[0]
+        ln_out, mu, rsigma = torch.ops.te_compile.norm_fwd(x, ln_w, ln_b, norm.key)
+        value = None
+        if cfg.kind == "delayed":
+            value = graph_norm.unrounded(x, ln_w, ln_b, mu, rsigma, norm)
         b1, b2_fused = (b.to(act_dtype) if b is not None else None for b in (b1, b2_fused))
         call = graph_mlp.MLPFP8(cfg, act_dtype)
-        out = graph_mlp.mlp(ln_out, w1, b1, w2, b2_fused, call)
+        state = gemm_common.delayed_op_state(fwd_state, bwd_state) or None
+        out, amaxes = graph_mlp.mlp(ln_out, w1, b1, w2, b2_fused, call, state, value)
+        gemm_common.merge_forward_amaxes(fwd_state, amaxes)
         return _returned(self, out.view(*inp.shape[:-1], out.shape[-1]), b2, act_dtype, None)
     mlp = MLPSpec(
         activation=self.activation,

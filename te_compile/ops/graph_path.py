@@ -8,6 +8,11 @@ TE's bytes, or do the job faster than inductor's generated code.
   bit-identical to TE's, for one small launch.
 - fp8_transpose: FP8 data's transposed copy (the column-wise data Hopper's FP8 GEMMs read) by
   TE's transpose kernel, for large tensors (graph_fp8/linear.py says when).
+- delayed_grad_quantize: DelayedScaling's gradient quantization where eager TE fuses a bias
+  gradient into it (te.Linear's and FC2's grad_output with a bias, LayerNormMLP's activation
+  backward always). TE's fused kernel sums the bias gradient in its own order (per-tile float32
+  partial sums, then a reduction), which no graph reduction reproduces bit for bit: the op
+  calls that kernel, as eager TE does, and returns its FP8 data with it.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..kernels import extension
+from ..kernels import activation, extension, gemm_layer
+from ..kernels.te_dtypes import TORCH_FP8
+from ..recipes import QuantConfig
 from .registry import op
 
 
@@ -38,3 +45,35 @@ def fp8_transpose(data: Tensor) -> Tensor:
 
 
 fp8_transpose.fake(lambda a: a.data.new_empty(a.data.shape[::-1]))
+
+
+@op()
+def delayed_grad_quantize(
+    grad: Tensor, act_input: Tensor | None, scale: Tensor, config: str, act: str
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """DelayedScaling's quantization of 2-D `grad` for the grad_output role, with the scale
+    `scale` [1], and the bias gradient TE's kernel fuses into it: `tex.bgrad_quantize(grad)`,
+    or with `act_input` (LayerNormMLP's FC1 output) `tex.dbias_d<act>(grad, act_input)`, which
+    quantizes the activation's gradient. Returns (dbias, FP8 data, its transpose, scale_inv [1],
+    amax [1]); the caller records the amax into TE's history."""
+    cfg = QuantConfig.from_key(config)
+    state = [scale, grad.new_zeros(1, dtype=torch.float32)]
+    if act_input is None:
+        dbias, q = gemm_layer.quantize(grad, cfg, "grad", True, True, state, bgrad=True)
+    else:
+        q, dbias = activation.backward(grad, act_input, cfg, act, (), state=state)
+    fp8 = TORCH_FP8[cfg.dtypes[2]]
+    return dbias, q._data.view(fp8), q._transpose.view(fp8), q._scale_inv.view(1), state[1]
+
+
+@delayed_grad_quantize.fake
+def _(a):
+    fp8 = TORCH_FP8[QuantConfig.from_key(a.config).dtypes[2]]
+    g, (rows, cols) = a.grad, a.grad.shape
+    scalars = [g.new_empty([1], dtype=torch.float32) for _ in range(2)]
+    return (
+        g.new_empty([cols]),
+        g.new_empty(g.shape, dtype=fp8),
+        g.new_empty([cols, rows], dtype=fp8),
+        *scalars,
+    )

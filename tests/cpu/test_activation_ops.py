@@ -161,7 +161,8 @@ def test_gemm_layer_slots_match_layernorm_mlp():
     GRAD_OUTPUT1 (TE's LayerNormMLP._get_quantizers)."""
     import transformer_engine_torch as tex
 
-    assert gemm_layer._slot("input", activation.FC2_INPUT_GEMM) == int(
-        tex.FP8FwdTensors.GEMM2_INPUT
-    )
-    assert gemm_layer._slot("grad", activation.FC1_GRAD_GEMM) == int(tex.FP8BwdTensors.GRAD_OUTPUT1)
+    from te_compile.kernels.fp8_operands import delayed_slot
+
+    assert delayed_slot("input", activation.FC2_INPUT_GEMM) == int(tex.FP8FwdTensors.GEMM2_INPUT)
+    assert delayed_slot("grad", activation.FC1_GRAD_GEMM) == int(tex.FP8BwdTensors.GRAD_OUTPUT1)
+    assert delayed_slot("grad", 1) == int(tex.FP8BwdTensors.GRAD_OUTPUT2)

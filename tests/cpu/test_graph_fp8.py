@@ -218,10 +218,9 @@ def test_configure_after_compiling_recompiles(patched):
 @pytest.mark.parametrize("recipe_name", ["current", "delayed"])
 def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
     """4 TransformerLayers under te.distributed.checkpoint, compiled whole with graph_fp8: their
-    te.Linear projections and LayerNormLinear take the graph path, and with current scaling
-    their LayerNormMLP too (DelayedScaling keeps TE's kernels for it), 0 graph breaks, and
-    DelayedScaling's forward scale snapshot is saved, not recomputed (the recompute quantizes
-    with the original forward's scales)."""
+    te.Linear projections, LayerNormLinear and LayerNormMLP take the graph path, 0 graph
+    breaks, and DelayedScaling's forward scale snapshot is saved, not recomputed (the recompute
+    quantizes with the original forward's scales)."""
     from test_checkpoint_trace import te_ops, trace
 
     with graph_fp8():
@@ -230,12 +229,12 @@ def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
     fw, bw = te_ops(rec.fw), te_ops(rec.bw)
     assert "linear_fwd" not in fw + bw
     assert "layernorm_linear_fwd" not in fw
-    assert ("layernorm_mlp_fwd" in fw) == (recipe_name == "delayed")
+    assert "layernorm_mlp_fwd" not in fw
     assert any("_scaled_mm" in t for t in rec.targets(rec.fw))
     if recipe_name == "delayed":
-        # backward's only snapshots: each graph-path GEMM's (proj and QKV per layer) of its
-        # backward scale, taken before its update; no forward snapshot is recomputed
-        assert "scale_snapshot" in fw and bw.count("scale_snapshot") == 8, bw
+        # backward's only snapshots: each graph-path module's (proj, QKV and MLP per layer) of
+        # its backward scales, taken before its update; no forward snapshot is recomputed
+        assert "scale_snapshot" in fw and bw.count("scale_snapshot") == 12, bw
 
 
 def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_breaks, monkeypatch):

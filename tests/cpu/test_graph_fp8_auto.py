@@ -1,6 +1,6 @@
-"""The default `graph_fp8=None` traced on CPU with a pretend Hopper: small Float8CurrentScaling
-GEMMs take the graph path, large ones, other recipes and `graph_fp8=False` TE's kernel ops, and
-`True` the graph path at any size. (The choice never changes numerics: both paths are
+"""The default `graph_fp8=None` traced on CPU with a pretend Hopper: small per-tensor (current,
+delayed) GEMMs take the graph path, large ones, block scaling and `graph_fp8=False` TE's kernel
+ops, and `True` the graph path at any size. (The choice never changes numerics: both paths are
 bit-identical to eager TE where the default picks the graph path, tests/gpu/.)"""
 
 from __future__ import annotations
@@ -69,12 +69,18 @@ def test_large_gemm_stays_on_te_kernels_unless_forced(setting, patched):
     assert "linear_fwd" not in at and "_scaled_mm" in at, at
 
 
-@pytest.mark.parametrize("recipe", [R.DelayedScaling(), R.Float8BlockScaling()], ids=str)
-def test_other_recipes_stay_on_te_kernels(recipe, patched):
-    """DelayedScaling's graph-path dbias is not TE's sum order: the default leaves it (and block
-    scaling, which the graph path lacks) to TE's kernels."""
+@pytest.mark.parametrize("make", [_linear(64, 32), _ln_linear, _mlp], ids=["linear", "ln", "mlp"])
+def test_small_delayed_scaling_takes_the_graph_path(make, patched, graph_breaks):
+    """DelayedScaling too (its fused dbias casts run on TE's kernels inside the graph path)."""
+    ops = _forward_ops(make, R.DelayedScaling(), 32, None)
+    assert graph_breaks() == 0
+    assert not any(op in TE_OPS for op in ops) and "_scaled_mm" in ops, ops
+
+
+def test_block_scaling_stays_on_te_kernels(patched):
+    """Block scaling, which the graph path lacks, stays on TE's kernels."""
     for make, op in ((_linear(64, 32), "linear_fwd"), (_mlp, "layernorm_mlp_fwd")):
-        assert op in _forward_ops(make, recipe, 32, None)
+        assert op in _forward_ops(make, R.Float8BlockScaling(), 32, None)
 
 
 def test_off_keeps_te_kernels(patched):

@@ -62,13 +62,37 @@ def test_transformer_layers_take_the_graph_path(patched, graph_breaks):
     assert bw == {"_scaled_mm": 16, "bias_grad": 4, "norm_bwd": 4, "fused_attn_bwd": 2}
 
 
-def test_delayed_scaling_layer(patched):
-    """DelayedScaling: LayerNormLinear takes the graph path (TE's norm op for the statistics,
-    the float32 value recomputed and cast in the graph, graph_fp8/norm.py), as te.Linear does;
-    LayerNormMLP keeps TE's kernel op (its GELU and dbias kernels are not rebuilt yet)."""
-    fw, _ = _trace(lambda: _layers(1), R.DelayedScaling())
-    assert fw["layernorm_mlp_fwd"] == 1 and "layernorm_linear_fwd" not in fw
-    assert fw["norm_fwd"] == 1 and fw["_scaled_mm"] == 2 and "linear_fwd" not in fw
+def test_delayed_scaling_layer(patched, graph_breaks):
+    """DelayedScaling: every GEMM of a TransformerLayer on the graph path (TE's norm op for the
+    statistics, the float32 norm value recomputed and cast in the graph, graph_fp8/norm.py).
+    The biases the GEMMs add (QKV, FC1) get their gradients from TE's fused dbias + cast kernels
+    (te_compile::delayed_grad_quantize); the projection's and FC2's, which the layer adds
+    itself, from the layer's bias-dropout-add. One backward update per module."""
+    fw, bw = _trace(lambda: _layers(1), R.DelayedScaling())
+    assert graph_breaks() == 0
+    assert not {"layernorm_mlp_fwd", "layernorm_linear_fwd", "linear_fwd"} & set(fw)
+    assert fw["norm_fwd"] == 2 and fw["_scaled_mm"] == 4
+    assert bw["_scaled_mm"] == 8 and bw["delayed_grad_quantize"] == 2 and "bias_grad" not in bw
+    assert bw["amax_and_scale_update"] == 3 and bw["scale_snapshot"] == 3
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_delayed_scaling_mlp(bias, patched, graph_breaks):
+    """DelayedScaling's LayerNormMLP on the graph path: both biases' gradients from TE's fused
+    kernels (FC2's grad_output cast, FC1's GELU-gradient cast); without biases every cast is in
+    the graph. The forward merges the six slots' amaxes into TE's history; the backward runs
+    the module's own update."""
+
+    def make():
+        return te.LayerNormMLP(64, 256, bias=bias, params_dtype=torch.bfloat16).cuda()
+
+    fw, bw = _trace(make, R.DelayedScaling(amax_history_len=4))
+    assert graph_breaks() == 0
+    assert fw == {"norm_fwd": 1, "_scaled_mm": 2, "scale_snapshot": 1, "amax_and_scale_update": 1}
+    want_bw = {"_scaled_mm": 4, "norm_bwd": 1, "scale_snapshot": 1, "amax_and_scale_update": 1}
+    if bias:
+        want_bw["delayed_grad_quantize"] = 2
+    assert bw == want_bw
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
@@ -143,9 +167,9 @@ def test_large_transposes_use_tes_kernel(patched):
 
 
 def test_inference_under_no_grad_takes_the_graph_path(patched, graph_breaks):
-    """Eval mode under no_grad: the graph path's forward alone (4 scaled GEMMs per layer; 2
-    under DelayedScaling, whose LayerNormMLP stays on TE's op), without a backward to save for."""
-    for recipe, want in ((R.Float8CurrentScaling(), 8), (R.DelayedScaling(), 4)):
+    """Eval mode under no_grad: the graph path's forward alone (4 scaled GEMMs per layer),
+    without a backward to save for."""
+    for recipe, want in ((R.Float8CurrentScaling(), 8), (R.DelayedScaling(), 8)):
         rec = JointRecorder()
         with te_compile.simulate_gpu("hopper"), graph_fp8(), torch.no_grad():
             layers = _layers().eval()

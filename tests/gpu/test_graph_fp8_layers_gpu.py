@@ -1,5 +1,5 @@
 """GPU tests of graph_fp8 beyond te.Linear (te_compile.configure(graph_fp8=True) with
-Float8CurrentScaling): TE's GELU and its derivative as inductor compiles them, over every
+Float8CurrentScaling and DelayedScaling): TE's GELU and its derivative as inductor compiles them, over every
 bfloat16 input; the bias gradient against TE's bgrad; LayerNormMLP, LayerNormLinear and
 TransformerLayer trained compiled on the graph path against eager TE, bit for bit.
 
@@ -110,7 +110,13 @@ def _fresh(seed: int = 0) -> None:
     torch.manual_seed(seed)
 
 
-def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
+def _delayed_state(m) -> list:
+    """TE's amax histories and scales of both directions (DelayedScaling)."""
+    metas = (m.fp8_meta[key] for key in ("scaling_fwd", "scaling_bwd"))
+    return [t.clone() for meta in metas for t in (meta.amax_history, meta.scale)]
+
+
+def _train_mlp(compiled: bool, normalization: str, bias: bool, recipe="current", steps: int = 3):
     _fresh()
     m = te.LayerNormMLP(
         256, 1024, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
@@ -120,9 +126,13 @@ def _train_mlp(compiled: bool, normalization: str, bias: bool, steps: int = 3):
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
 
-    def make_input(step):
-        return torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16)
+    def make_input(step):  # growing scale: DelayedScaling's scales move
+        return torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
 
+    if recipe == "delayed":
+        return _train(
+            m, R.DelayedScaling(amax_history_len=4), compiled, make_input, steps, _delayed_state
+        )
     return _train(m, R.Float8CurrentScaling(), compiled, make_input, steps)
 
 
@@ -137,15 +147,27 @@ def test_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
     _assert_identical(got, want)
 
 
-def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, steps: int = 4):
-    """te.LayerNormLinear (no bias: DelayedScaling's graph-path dbias is not TE's sum order)
-    trained with DelayedScaling: per step the output, gradients and TE's amax histories and
-    scales."""
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_delayed_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
+    """DelayedScaling's LayerNormMLP on the graph path (the norm's, GELU's and, without biases,
+    the GELU gradient's float32 values cast in the graph; with biases TE's fused dbias kernels),
+    4 SGD steps with inputs of growing scale against eager TE: output, input and every
+    parameter gradient, amax histories and scales bit-identical at every step."""
+    want = _train_mlp(False, normalization, bias, "delayed", steps=4)
+    got = _train_mlp(True, normalization, bias, "delayed", steps=4)  # the default path
+    _assert_identical(got, want)
+    assert not torch.equal(want[-1][-2], want[0][-2]), "the backward history never moved"
+
+
+def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, bias=False, steps: int = 4):
+    """te.LayerNormLinear trained with DelayedScaling: per step the output, gradients and TE's
+    amax histories and scales."""
     _fresh()
     m = te.LayerNormLinear(
         256,
         512,
-        bias=False,
+        bias=bias,
         normalization=normalization,
         zero_centered_gamma=zcg,
         params_dtype=torch.bfloat16,
@@ -156,23 +178,25 @@ def _train_ln_linear(compiled: bool, normalization: str, zcg: bool, steps: int =
     def make_input(step):  # growing scale: the scales move
         return torch.randn(64, 2, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
 
-    def state(m):
-        metas = (m.fp8_meta[key] for key in ("scaling_fwd", "scaling_bwd"))
-        return [t.clone() for meta in metas for t in (meta.amax_history, meta.scale)]
-
-    return _train(m, R.DelayedScaling(amax_history_len=4), compiled, make_input, steps, state)
+    recipe = R.DelayedScaling(amax_history_len=4)
+    return _train(m, recipe, compiled, make_input, steps, _delayed_state)
 
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
-@pytest.mark.parametrize("zcg", [False, True], ids=["gamma", "zero_centered"])
-def test_delayed_layernorm_linear_trains_as_eager_te(normalization, zcg, patched):
+@pytest.mark.parametrize(
+    "zcg,bias",
+    [(False, False), (True, False), (False, True)],
+    ids=["gamma", "zero_centered", "bias"],
+)
+def test_delayed_layernorm_linear_trains_as_eager_te(normalization, zcg, bias, patched):
     """DelayedScaling's fused norm + cast quantizes the norm's float32 value; the graph path
-    recomputes it from TE's mu/rsigma (graph_fp8/norm.py). 4 SGD steps with inputs of growing
-    scale (the scales move) against eager TE: outputs, gradients, amax histories and scales
-    bit-identical at every step."""
-    want = _train_ln_linear(False, normalization, zcg)
+    recomputes it from TE's mu/rsigma (graph_fp8/norm.py); a bias's gradient comes from TE's
+    fused dbias + cast kernel. 4 SGD steps with inputs of growing scale (the scales move)
+    against eager TE: outputs, gradients, amax histories and scales bit-identical at every
+    step."""
+    want = _train_ln_linear(False, normalization, zcg, bias)
     with graph_fp8():
-        got = _train_ln_linear(True, normalization, zcg)
+        got = _train_ln_linear(True, normalization, zcg, bias)
     _assert_identical(got, want)
     assert not torch.equal(want[-1][-2], want[0][-2]), "the backward history never moved"
 
@@ -184,12 +208,15 @@ def test_delayed_layernorm_linear_trains_as_eager_te(normalization, zcg, patched
 LAYER_CASES = ["causal", "rope", "no_bias", "post_layernorm_residual", "rmsnorm_swiglu"]
 
 
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
 @pytest.mark.parametrize("case_name", LAYER_CASES)
-def test_transformer_layer_on_graph_path_matches_eager(case_name, patched, monkeypatch):
+def test_transformer_layer_on_graph_path_matches_eager(
+    case_name, recipe_name, patched, monkeypatch
+):
     """Two SGD steps of a TransformerLayer, compiled on the graph path: bit-identical to eager
     TE (outputs, input and parameter gradients)."""
     with graph_fp8():
-        layer_tests.check(case_name, "current", monkeypatch, n=2, lr=0.01)
+        layer_tests.check(case_name, recipe_name, monkeypatch, n=2, lr=0.01)
 
 
 def test_transformer_layer_graph_path_is_fp8(patched):
@@ -200,10 +227,12 @@ def test_transformer_layer_graph_path_is_fp8(patched):
     assert not torch.equal(fp8[0]["out"], bf16[0]["out"])
 
 
-def test_stack_eager_then_compiled_then_cuda_graphs(patched):
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_stack_eager_then_compiled_then_cuda_graphs(recipe_name, patched):
     """Three TransformerLayers trained as users do: 2 eager steps, 2 compiled (graph path), 2
     under reduce-overhead, against 6 eager TE steps: losses and every gradient bit-identical
-    (eager's rounding in inductor: see test_transformer_layer_gpu.py)."""
+    (eager's rounding in inductor: see test_transformer_layer_gpu.py). DelayedScaling's state
+    carries over from eager TE's steps to the compiled ones."""
     import torch._inductor.config as inductor_config
 
     def run(modes):
@@ -226,7 +255,7 @@ def test_stack_eager_then_compiled_then_cuda_graphs(patched):
             ]
         )
         opt = torch.optim.SGD(layers.parameters(), lr=0.01)
-        recipe = R.Float8CurrentScaling()
+        recipe = R.Float8CurrentScaling() if recipe_name == "current" else R.DelayedScaling()
 
         def step(x):
             with te.autocast(recipe=recipe):
