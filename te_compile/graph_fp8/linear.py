@@ -29,7 +29,7 @@ import torch
 from .. import options
 from ..kernels.fp8_operands import delayed_slot
 from ..recipes import ROLES, QuantConfig
-from . import quantize
+from . import delayed_update, quantize
 
 # aten's scaled GEMM's constraint on every dimension of an FP8 GEMM (cuBLASLt's 16-byte alignment).
 _ALIGN = 16
@@ -149,8 +149,8 @@ class _LinearFunction(torch.autograd.Function):
     """DelayedScaling passes its tensors (`fwd_scale` a snapshot of TE's forward scales,
     `bwd_scale` and `bwd_history` TE's backward state): forward quantizes with the snapshot
     and returns the input's and weight's amaxes for the caller's history merge; backward
-    quantizes grad_output with the backward scale and runs the module's backward update (the
-    te_compile op that mutates TE's state, as the TE-kernel path does at its backward's end).
+    quantizes grad_output with the backward scale and updates the module's backward state at
+    its end (`update_backward_state`), as the TE-kernel path does.
     Per-tensor current scaling passes None for all three and gets an empty amax tensor."""
 
     @staticmethod
@@ -187,10 +187,7 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
-            # Quantize with a copy taken before the update below mutates the scale: read in
-            # place, inductor (torch 2.11) scheduled the fused cast after the update's write
-            # and quantized with the new scale (H100: aot_eager exact, inductor not).
-            scale = torch.ops.te_compile.scale_snapshot(bwd_scale)
+            scale = backward_scales(cfg, bwd_scale)  # read before the update below
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
                 fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scale, cfg)
             else:
@@ -226,14 +223,35 @@ def delayed_grad_with_dbias(grad2d, scales, cfg: QuantConfig, gemm=0, act_input=
     )
 
 
+def _graph_updates(cfg: QuantConfig) -> bool:
+    return delayed_update.applies(cfg.amax_algo, cfg.margin, cfg.fused_update)
+
+
+def backward_scales(cfg: QuantConfig, scale: torch.Tensor) -> torch.Tensor:
+    """The backward scales grad_output's cast reads, before `update_backward_state` writes them:
+    TE's tensor itself where the graph updates it (functionalized, the write comes after every
+    read), else a copy. Read in place before the op's update, inductor (torch 2.11) scheduled
+    the fused cast after the op's write and quantized with the new scale (H100: aot_eager
+    exact, inductor not)."""
+    return scale if _graph_updates(cfg) else torch.ops.te_compile.scale_snapshot(scale)
+
+
 def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:
-    """Record the module's grad_output amaxes (one per GEMM, in GEMM order)
-    into row 0 of TE's backward history (max with what is there, as TE's cast
-    records it) and run DelayedScaling's update of the module's backward state."""
+    """Record the module's grad_output amaxes (one per GEMM, in GEMM order) into row 0 of TE's
+    backward history (max with what is there, as TE's cast records it) and run DelayedScaling's
+    update of the module's backward state: as graph operations (delayed_update.py) where they
+    are TE's arithmetic, else TE's kernel through te_compile's op."""
     zero = history.new_zeros(1)
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
     recorded = torch.cat([t for a in grad_amaxes for t in (a, zero)])
     latest = torch.maximum(history[0], recorded[: history.shape[1]])
+    if _graph_updates(cfg):
+        new_history, new_scale = delayed_update.updated(
+            history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin
+        )
+        history.copy_(new_history)
+        scale.copy_(new_scale)
+        return
     torch.ops.te_compile.amax_and_scale_update(
         [history], [scale], cfg.amax_algo, cfg.dtypes[2], cfg.margin, cfg.fused_update, latest
     )

@@ -138,8 +138,8 @@ class _MLPFunction(torch.autograd.Function):
             db2 = linear.bias_grad(dy) if ctx.biases[1] and needs[4] else None
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
-        else:  # quantize with a snapshot: the update below writes the scales (see linear.py)
-            scale = torch.ops.te_compile.scale_snapshot(bwd_scale)
+        else:
+            scale = linear.backward_scales(cfg, bwd_scale)  # read before the update below
             if ctx.biases[1]:
                 db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
             else:

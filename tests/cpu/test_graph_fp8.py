@@ -171,13 +171,20 @@ def test_unaligned_shapes_stay_on_te_ops(patched, fake_gpu, monkeypatch):
     assert rec.targets(rec.fw).count("te_compile.linear_fwd.default") == 1
 
 
-def test_delayed_scaling_graph_path_joint_graph(patched, fake_gpu, graph_breaks):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_delayed_scaling_graph_path_joint_graph(
+    fused, patched, fake_gpu, graph_breaks, monkeypatch
+):
     """DelayedScaling on the graph path: the forward quantizes in aten ops with a snapshot of
     TE's scales and merges amaxes into TE's history; the backward graph runs the module's
-    backward amax/scale update (the one te_compile op left), besides the two scaled GEMMs."""
+    backward amax/scale update as graph operations writing TE's history and scale (two copy_
+    at its end), besides the two scaled GEMMs. With TE's Python update asked for
+    (NVTE_UNFUSED_FP8_UPDATE=1), TE's update through te_compile's op, after a scale snapshot."""
     from te_compile_testing import build_without_gpu, meta_accepted, op_targets, recipe_state_on
 
     fake_gpu("hopper")
+    if not fused:
+        monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
     with meta_accepted(), recipe_state_on("meta"), graph_fp8():
         linear = build_without_gpu(
             lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta"), "meta"
@@ -190,8 +197,10 @@ def test_delayed_scaling_graph_path_joint_graph(patched, fake_gpu, graph_breaks)
     assert sum("_scaled_mm" in t for t in fw) == 1 and sum("_scaled_mm" in t for t in bw) == 2
     update = "te_compile.amax_and_scale_update.default"
     assert fw.count(update) == 1  # the autocast exit's forward update, as on the TE-kernel path
-    backward_calls = [str(n.target) + str(n.args) for g in rec.bw for n in g.graph.nodes]
-    assert sum("te_compile.amax_and_scale_update" in c for c in backward_calls) == 1
+    in_graph = fused
+    assert bw.count(update) == (0 if in_graph else 1)
+    assert bw.count("te_compile.scale_snapshot.default") == (0 if in_graph else 1)
+    assert rec.targets(rec.bw).count("aten.copy_.default") == 2  # (the op's, functionalized)
 
 
 def test_configure_after_compiling_recompiles(patched):
@@ -232,9 +241,9 @@ def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
     assert "layernorm_mlp_fwd" not in fw
     assert any("_scaled_mm" in t for t in rec.targets(rec.fw))
     if recipe_name == "delayed":
-        # backward's only snapshots: each graph-path module's (proj, QKV and MLP per layer) of
-        # its backward scales, taken before its update; no forward snapshot is recomputed
-        assert "scale_snapshot" in fw and bw.count("scale_snapshot") == 12, bw
+        # no forward snapshot is recomputed (the backward updates in graph operations, which
+        # need no snapshot of their own)
+        assert "scale_snapshot" in fw and "scale_snapshot" not in bw, bw
 
 
 def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_breaks, monkeypatch):

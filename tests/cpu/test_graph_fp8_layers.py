@@ -67,13 +67,13 @@ def test_delayed_scaling_layer(patched, graph_breaks):
     statistics, the float32 norm value recomputed and cast in the graph, graph_fp8/norm.py).
     The biases the GEMMs add (QKV, FC1) get their gradients from TE's fused dbias + cast kernels
     (te_compile::delayed_grad_quantize); the projection's and FC2's, which the layer adds
-    itself, from the layer's bias-dropout-add. One backward update per module."""
+    itself, from the layer's bias-dropout-add. The backward updates are graph operations."""
     fw, bw = _trace(lambda: _layers(1), R.DelayedScaling())
     assert graph_breaks() == 0
     assert not {"layernorm_mlp_fwd", "layernorm_linear_fwd", "linear_fwd"} & set(fw)
     assert fw["norm_fwd"] == 2 and fw["_scaled_mm"] == 4
     assert bw["_scaled_mm"] == 8 and bw["delayed_grad_quantize"] == 2 and "bias_grad" not in bw
-    assert bw["amax_and_scale_update"] == 3 and bw["scale_snapshot"] == 3
+    assert "amax_and_scale_update" not in bw and "scale_snapshot" not in bw
 
 
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
@@ -81,7 +81,7 @@ def test_delayed_scaling_mlp(bias, patched, graph_breaks):
     """DelayedScaling's LayerNormMLP on the graph path: both biases' gradients from TE's fused
     kernels (FC2's grad_output cast, FC1's GELU-gradient cast); without biases every cast is in
     the graph. The forward merges the six slots' amaxes into TE's history; the backward runs
-    the module's own update."""
+    the module's own update in graph operations."""
 
     def make():
         return te.LayerNormMLP(64, 256, bias=bias, params_dtype=torch.bfloat16).cuda()
@@ -89,7 +89,7 @@ def test_delayed_scaling_mlp(bias, patched, graph_breaks):
     fw, bw = _trace(make, R.DelayedScaling(amax_history_len=4))
     assert graph_breaks() == 0
     assert fw == {"norm_fwd": 1, "_scaled_mm": 2, "scale_snapshot": 1, "amax_and_scale_update": 1}
-    want_bw = {"_scaled_mm": 4, "norm_bwd": 1, "scale_snapshot": 1, "amax_and_scale_update": 1}
+    want_bw = {"_scaled_mm": 4, "norm_bwd": 1}
     if bias:
         want_bw["delayed_grad_quantize"] = 2
     assert bw == want_bw

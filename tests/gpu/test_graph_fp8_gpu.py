@@ -133,6 +133,40 @@ def test_quantize_delayed_matches_te(case, fp8, scale, compiled):
     assert torch.equal(_bits(amax), _bits(te_amax))
 
 
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length", [1, 4, 1024])
+def test_delayed_update_matches_tes_kernel(length, algo, fp8, margin):
+    """graph_fp8's DelayedScaling update compiled by inductor against TE's fused kernel
+    (tex.fused_amax_and_scale_update_after_reduction) on histories and latest amaxes spanning
+    float32 (zeros, denormals, huge, inf, NaN) and old scales with an inf: the rolled history
+    and the scales bit for bit."""
+    from te_compile.graph_fp8 import delayed_update
+
+    torch.manual_seed(0)
+    n = 512
+    exponents = torch.randint(-45, 39, (length + 1, n), device="cuda").float()
+    values = torch.rand(length + 1, n, device="cuda") * 10.0**exponents
+    values[torch.rand_like(values) < 0.1] = 0.0
+    values[torch.rand_like(values) < 0.02] = float("nan")
+    values[torch.rand_like(values) < 0.02] = float("inf")
+    latest, history = values[0].contiguous(), values[1:].contiguous()
+    history[0] = latest  # TE's kernel falls back to row 0 where the latest amax is 0
+    scale = torch.rand(n, device="cuda") * 100
+    scale[::7] = float("inf")
+    torch._dynamo.reset()
+    got_h, got_s = torch.compile(delayed_update.updated, fullgraph=True)(
+        history, scale, latest, algo, fp8, margin
+    )
+    want_h, want_s = history.clone(), scale.clone()
+    tex.fused_amax_and_scale_update_after_reduction(
+        latest.clone(), [want_h], [want_s], algo, TE_DTYPE[fp8], float(margin)
+    )
+    assert torch.equal(_bits(got_h), _bits(want_h))
+    assert torch.equal(_bits(got_s), _bits(want_s))
+
+
 @pytest.mark.parametrize("accumulate_split", [False, True], ids=["fast_acc", "split_acc"])
 @pytest.mark.parametrize("m,n,k", [(64, 256, 128), (2048, 4096, 1024), (1024, 3072, 4096)])
 def test_scaled_mm_matches_te_gemm(m, n, k, accumulate_split):
