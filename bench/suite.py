@@ -49,7 +49,7 @@ COMPILED = ("compile", "reduce-overhead")
 TE_RECIPES = ("bf16", "current", "block", "delayed")
 # Variants, run when named in --recipes as "<recipe>-<variant>": that recipe with these
 # te_compile options (the rest at their defaults). "graph": FP8 quantization and GEMMs as graph
-# ops wherever they apply (the default: small current-scaling GEMMs only); "tekernels": TE's
+# ops wherever they apply (the default: small per-tensor GEMMs only); "tekernels": TE's
 # kernels for every GEMM (graph_fp8=False); "tecalls": every GEMM through TE's extension (no
 # aten scaled GEMM); "graphweights": current-scaling weights quantized in the graph (opt-in).
 VARIANTS = {
@@ -60,7 +60,7 @@ VARIANTS = {
 }
 EXTRA_RECIPES = (
     *("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls"),
-    "current-tekernels",
+    *("current-tekernels", "delayed-tekernels"),
     "current-graphweights",
 )
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
