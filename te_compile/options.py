@@ -13,10 +13,10 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Options:
     # FP8 quantization and GEMMs as graph operations inductor fuses (graph_fp8/), where they
-    # apply; TE's own kernels otherwise. None (the default): the graph path for
-    # Float8CurrentScaling GEMMs small enough that issuing TE's kernels, not running them, bounds
+    # apply; TE's own kernels otherwise. None (the default): the graph path for per-tensor
+    # (current, delayed) GEMMs small enough that issuing TE's kernels, not running them, bounds
     # the step (graph_fp8/linear.py's AUTO_MAX_MACS), where the two paths agree bit for bit;
-    # True: wherever it applies (DelayedScaling's te.Linear too); False: never. docs/graph_fp8.md.
+    # True: wherever it applies; False: never. docs/graph_fp8.md.
     graph_fp8: bool | None = None
     # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
