@@ -44,3 +44,20 @@ def test_amax_and_scale_update_opcheck_on_fake(fake_cuda):
         torch.ops.te_compile.amax_and_scale_update.default,
         (histories, scales, "max", "e4m3", 0.0, True),
     )
+
+
+@pytest.mark.parametrize("act", ["", "gelu"])
+def test_graph_path_ops_opcheck_on_fake(act, fake_gpu, fake_cuda):
+    """The ops graph_fp8 keeps out of inductor (ops/graph_path.py), DelayedScaling's fused
+    dbias cast with and without the GELU gradient before it."""
+    fake_gpu("hopper")
+    grad = torch.randn(64, 32, device="cuda", dtype=torch.bfloat16)
+    key = for_linear(R.DelayedScaling(), fp8_transpose=True).key
+    act_input = torch.randn_like(grad) if act else None
+    scale = torch.ones(1, device="cuda")
+    torch.library.opcheck(
+        torch.ops.te_compile.delayed_grad_quantize.default, (grad, act_input, scale, key, act)
+    )
+    torch.library.opcheck(torch.ops.te_compile.bias_grad.default, (grad,))
+    data = torch.empty(64, 32, device="cuda", dtype=torch.float8_e4m3fn)
+    torch.library.opcheck(torch.ops.te_compile.fp8_transpose.default, (data,))

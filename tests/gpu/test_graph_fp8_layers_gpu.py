@@ -75,6 +75,35 @@ def test_bias_grad_is_tes_bgrad(shape, patched):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("act", ["", "gelu"])
+def test_delayed_grad_quantize_is_tes_kernel(act, patched):
+    """te_compile::delayed_grad_quantize against TE's own call (tex.bgrad_quantize, or
+    tex.dbias_dgelu, with a Float8Quantizer of both usages): dbias, data, transpose, scale_inv
+    and the recorded amax bit for bit; and opcheck on the real kernel."""
+    from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
+
+    from te_compile.recipes import for_linear
+
+    torch.manual_seed(0)
+    grad = (torch.randn(1024, 768, device="cuda") * 3).to(torch.bfloat16)
+    act_input = torch.randn_like(grad) if act else None
+    scale = torch.full((1,), 7.0, device="cuda")
+    key = for_linear(R.DelayedScaling(), fp8_transpose=True).key
+    got = torch.ops.te_compile.delayed_grad_quantize(grad, act_input, scale, key, act)
+    amax = torch.zeros(1, device="cuda")
+    quantizer = Float8Quantizer(scale.clone(), amax, tex.DType.kFloat8E5M2)
+    if act:
+        dbias, q = tex.dbias_dgelu(grad, act_input, quantizer)
+    else:
+        dbias, q = tex.bgrad_quantize(grad, quantizer)
+    want = (dbias, q._data, q._transpose, q._scale_inv.view(1), amax)
+    for i, (u, v) in enumerate(zip(got, want, strict=True)):
+        u = u.view(torch.uint8) if u.element_size() == 1 else u
+        assert torch.equal(u, v), f"output {i}"
+    args = (grad, act_input, scale, key, act)
+    torch.library.opcheck(torch.ops.te_compile.delayed_grad_quantize.default, args)
+
+
 def _train(m, recipe, compiled: bool, make_input, steps: int, state=lambda m: []) -> list:
     """`steps` SGD steps of `m` under `recipe` (compiled or eager TE): per step the output, the
     input's and every parameter's gradient, then `state(m)`."""
