@@ -162,12 +162,13 @@ class _LinearFunction(torch.autograd.Function):
             wq, w_si = quantize_stored(weight, cfg, 1)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
+            scales = Scales.of(fwd_scale)
             if value is None:
-                xq, x_si, x_amax = quantize_delayed(x2d, fwd_scale, cfg, 0)
+                xq, x_si, x_amax = quantize_delayed(x2d, scales, cfg, 0)
             else:  # a fused producer's float32 value (graph_fp8/norm.py), cast as TE casts it
-                xq, x_si, x_amax = quantize_delayed(value, fwd_scale, cfg, 0, stored=False)
-            wq, w_si, w_amax = quantize_delayed(weight, fwd_scale, cfg, 1)
-            amaxes = torch.cat([x_amax, w_amax, torch.zeros_like(x_amax)])  # output slot: none
+                xq, x_si, x_amax = quantize_delayed(value, scales, cfg, 0, stored=False)
+            wq, w_si, w_amax = quantize_delayed(weight, scales, cfg, 1)
+            amaxes = in_slots(fwd_scale, {0: x_amax, 1: w_amax})  # the output slot: none
         y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
@@ -187,11 +188,11 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
-            scale = backward_scales(cfg, bwd_scale)  # read before the update below
+            scales = Scales.of(backward_scales(cfg, bwd_scale))  # read before the update below
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
-                fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scale, cfg)
+                fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scales, cfg)
             else:
-                gq, g_si, g_amax = quantize_delayed(dy2d, scale, cfg, 2)
+                gq, g_si, g_amax = quantize_delayed(dy2d, scales, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = dgrad(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1]).reshape(ctx.x_shape)
@@ -204,22 +205,50 @@ class _LinearFunction(torch.autograd.Function):
         return dx, dw, dbias, None, None, None, None, None
 
 
-def quantize_delayed(t, scales: torch.Tensor, cfg: QuantConfig, role: int, stored=True, gemm=0):
+class Scales(NamedTuple):
+    """A direction's DelayedScaling scales and their reciprocals (TE's scale_inv, quantize.py's
+    arithmetic), taken once per module: one small kernel for every slot, where a reciprocal
+    per quantized tensor is a launch of its own (inductor does not fuse [1]-sized work into
+    the casts)."""
+
+    scale: torch.Tensor
+    inverse: torch.Tensor
+
+    @staticmethod
+    def of(scale: torch.Tensor) -> Scales:
+        return Scales(scale, quantize.reciprocal(scale))
+
+
+def quantize_delayed(t, scales: Scales, cfg: QuantConfig, role: int, stored=True, gemm=0):
     """DelayedScaling's (FP8 data, scale_inv, amax) of `t` for `role` (an index into ROLES) of
-    GEMM `gemm`, with the scale of TE's slot in `scales` (its direction's state). `stored`: the
-    bf16 value `t` holds; else `t` is a fused producer's float32 value, cast as TE casts it."""
+    GEMM `gemm`, with the scale of TE's slot in `scales` (its direction's state), as
+    quantize.quantize_delayed computes them. `stored`: the bf16 value `t` holds; else `t` is a
+    fused producer's float32 value, cast as TE casts it."""
     slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
-    return quantize.quantize_delayed(t, scales[slot : slot + 1], cfg.dtypes[role])
+    scale, inverse = scales.scale[slot : slot + 1], scales.inverse[slot : slot + 1]
+    return quantize.cast(t, scale, cfg.dtypes[role]), inverse, quantize.amax(t)
 
 
-def delayed_grad_with_dbias(grad2d, scales, cfg: QuantConfig, gemm=0, act_input=None, act=""):
+def in_slots(like: torch.Tensor, amaxes: dict) -> torch.Tensor:
+    """float32 `like`-shaped [n]: `amaxes[slot]` ([1] tensors) at their slots, 0 elsewhere, as
+    selects inductor fuses into their producers (a cat of [1] tensors is a kernel of its own)."""
+    slot = torch.arange(like.shape[0], device=like.device)
+    out = torch.zeros_like(like, dtype=torch.float32)
+    for i, amax in amaxes.items():
+        out = torch.where(slot == i, amax, out)
+    return out
+
+
+def delayed_grad_with_dbias(
+    grad2d, scales: Scales, cfg: QuantConfig, gemm=0, act_input=None, act=""
+):
     """(dbias, FP8 data, its transpose, scale_inv, amax) of `grad2d` by TE's fused kernel
     (te_compile::delayed_grad_quantize): grad_output's of GEMM `gemm`, or with `act_input` the
     activation `act`'s gradient (LayerNormMLP's FC1)."""
     slot = delayed_slot("grad", gemm)
     return torch.ops.te_compile.delayed_grad_quantize(
-        grad2d, act_input, scales[slot : slot + 1], cfg.key, act
+        grad2d, act_input, scales.scale[slot : slot + 1], cfg.key, act
     )
 
 
@@ -241,10 +270,9 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
     backward history (max with what is there, as TE's cast records it) and run DelayedScaling's
     update of the module's backward state: as graph operations (delayed_update.py) where they
     are TE's arithmetic, else TE's kernel through te_compile's op."""
-    zero = history.new_zeros(1)
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
-    recorded = torch.cat([t for a in grad_amaxes for t in (a, zero)])
-    latest = torch.maximum(history[0], recorded[: history.shape[1]])
+    recorded = in_slots(history[0], {2 * gemm: a for gemm, a in enumerate(grad_amaxes)})
+    latest = torch.maximum(history[0], recorded)
     if _graph_updates(cfg):
         new_history, new_scale = delayed_update.updated(
             history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin

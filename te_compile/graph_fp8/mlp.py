@@ -89,7 +89,7 @@ def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
     return quantize.cast(quantize.stored_bf16(act), scale, fp8), quantize.reciprocal(scale)
 
 
-def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales, cfg: QuantConfig):
+def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales: linear.Scales, cfg: QuantConfig):
     """tex.gelu with a DelayedScaling quantizer: the float32 GELU cast with FC2's input scale,
     its amax recorded."""
     return linear.quantize_delayed(gelu(fc1_out.float()), scales, cfg, _INPUT, False, _FC2)
@@ -113,13 +113,14 @@ class _MLPFunction(torch.autograd.Function):
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             value, stored = (x, True) if x_value is None else (x_value, False)
-            xq, x_si, x_amax = linear.quantize_delayed(value, fwd_scale, cfg, _INPUT, stored)
-            w1q, w1_si, w1_amax = linear.quantize_delayed(w1, fwd_scale, cfg, _WEIGHT)
+            scales = linear.Scales.of(fwd_scale)
+            xq, x_si, x_amax = linear.quantize_delayed(value, scales, cfg, _INPUT, stored)
+            w1q, w1_si, w1_amax = linear.quantize_delayed(w1, scales, cfg, _WEIGHT)
             fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
-            aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, fwd_scale, cfg)
-            w2q, w2_si, w2_amax = linear.quantize_delayed(w2, fwd_scale, cfg, _WEIGHT, gemm=_FC2)
-            none = torch.zeros_like(x_amax)  # the GEMM output slots record nothing
-            amaxes = torch.cat([x_amax, w1_amax, none, a_amax, w2_amax, none])
+            aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
+            w2q, w2_si, w2_amax = linear.quantize_delayed(w2, scales, cfg, _WEIGHT, gemm=_FC2)
+            # (the GEMM output slots, 2 and 5, record nothing)
+            amaxes = linear.in_slots(fwd_scale, {0: x_amax, 1: w1_amax, 3: a_amax, 4: w2_amax})
         y = linear.fprop(aq, a_si, w2q, w2_si, dtype, acc[0], b2)
         ctx.save_for_backward(xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si)
         ctx.call, ctx.biases = call, (b1 is not None, b2 is not None)
@@ -139,7 +140,7 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scale = linear.backward_scales(cfg, bwd_scale)  # read before the update below
+            scale = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))  # before the update
             if ctx.biases[1]:
                 db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
             else:

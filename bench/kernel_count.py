@@ -1,0 +1,87 @@
+"""Kernel launches inductor generates for one compiled fwd+bwd step, counted without a GPU.
+
+    python bench/kernel_count.py [--recipes current,delayed] [--hidden 1024] [--tokens 512]
+
+One te.TransformerLayer (causal, heads of 64) is traced under te_compile.simulate_gpu("hopper")
+and each graph compiled by inductor for the simulated GPU up to its generated code
+(te_compile.tools.check_inductor; nothing runs). Per graph it prints the Triton kernels
+generated, the launches in the wrapper (a kernel launched twice counts twice), the aten scaled
+GEMMs and the te_compile ops called. Each launch costs CPU in default mode and a few
+microseconds of GPU at small shapes, so this is the CPU-side number to watch when the graph
+path's code changes (the GPU's count: bench/profile_step.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import warnings
+
+import torch
+
+warnings.filterwarnings("ignore")
+
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common import recipe as R  # noqa: E402
+
+import te_compile  # noqa: E402
+from te_compile.tools.check_inductor import InductorRecorder  # noqa: E402
+
+RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}
+
+
+def count(recipe_name: str, hidden: int, tokens: int) -> list[tuple[int, int, collections.Counter]]:
+    torch._dynamo.reset()
+    rec = InductorRecorder("hopper")
+    with te_compile.simulate_gpu("hopper"), rec.context():
+        layer = te.TransformerLayer(
+            hidden,
+            4 * hidden,
+            hidden // 64,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            params_dtype=torch.bfloat16,
+            self_attn_mask_type="causal",
+        ).cuda()
+        x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
+        x.requires_grad_()
+        recipe = RECIPES[recipe_name]()
+
+        def step(x):
+            with te.autocast(recipe=recipe):
+                return layer(x)
+
+        torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+    rows = []
+    for source in rec.sources:
+        code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+        calls = collections.Counter(
+            re.findall(r"(extern_kernels\._scaled_mm|te_compile\.\w+)(?:\.default)?\(", code)
+        )
+        rows.append((source.count("@triton.jit"), len(re.findall(r"\.run\(", code)), calls))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--recipes", default="current,delayed")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--tokens", type=int, default=512)
+    args = p.parse_args()
+    te_compile.patch()
+    print(
+        f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, torch {torch.__version__}"
+    )
+    print("| recipe | graph | Triton kernels | launches | scaled GEMMs and te_compile ops |")
+    print("|---|---|---|---|---|")
+    for name in args.recipes.split(","):
+        for graph, (kernels, launches, calls) in zip(
+            ("forward", "backward"), count(name, args.hidden, args.tokens), strict=False
+        ):
+            ops = ", ".join(f"{op.split('.')[-1]} {n}" for op, n in sorted(calls.items()))
+            print(f"| {name} | {graph} | {kernels} | {launches} | {ops} |")
+
+
+if __name__ == "__main__":
+    main()
