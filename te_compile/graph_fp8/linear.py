@@ -227,7 +227,7 @@ def quantize_delayed(t, scales: Scales, cfg: QuantConfig, role: int, stored=True
     slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
     scale, inverse = scales.scale[slot : slot + 1], scales.inverse[slot : slot + 1]
-    return quantize.cast(t, scale, cfg.dtypes[role]), inverse, quantize.amax(t)
+    return quantize.quantize_delayed(t, scale, cfg.dtypes[role], inverse)
 
 
 def in_slots(like: torch.Tensor, amaxes: dict) -> torch.Tensor:

@@ -140,12 +140,12 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scale = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))  # before the update
+            scales = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))  # before the update
             if ctx.biases[1]:
-                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
+                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scales, cfg, _FC2)
             else:
                 db2, gq_t = None, None
-                gq, g_si, g2_amax = linear.quantize_delayed(dy, scale, cfg, _GRAD, gemm=_FC2)
+                gq, g_si, g2_amax = linear.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
         dw2 = linear.wgrad(gq, g_si, aq, a_si, dtype, acc[2], gq_t) if needs[3] else None
         fc2_dgrad = linear.dgrad(gq, g_si, w2q, w2_si, dtype, acc[1])
         g1q_t = None
@@ -155,11 +155,11 @@ class _MLPFunction(torch.autograd.Function):
             g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
         elif ctx.biases[0]:
             db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
-                fc2_dgrad, scale, cfg, _FC1, act_input=fc1_out, act="gelu"
+                fc2_dgrad, scales, cfg, _FC1, act_input=fc1_out, act="gelu"
             )
         else:  # tex.dbias_dgelu's FP8 data: the float32 gradient cast unrounded
             dact = dgelu(fc1_out.float()) * fc2_dgrad.float()
-            g1q, g1_si, g1_amax = linear.quantize_delayed(dact, scale, cfg, _GRAD, False)
+            g1q, g1_si, g1_amax = linear.quantize_delayed(dact, scales, cfg, _GRAD, False)
             db1 = None
         dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
         dx = linear.dgrad(g1q, g1_si, w1q, w1_si, dtype, acc[1]) if needs[0] else None

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.te_dtypes import TORCH_FP8
+
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-TORCH_DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+TORCH_DTYPE = TORCH_FP8
 _FLT_MAX = torch.finfo(torch.float32).max
 _EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a float32
 _BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
@@ -68,11 +70,13 @@ def quantize_current(
 
 
 def quantize_delayed(
-    x: torch.Tensor, scale: torch.Tensor, fp8: str
+    x: torch.Tensor, scale: torch.Tensor, fp8: str, scale_inv: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DelayedScaling: (FP8 data, scale_inv [1], amax [1]) of x with a given scale [1]; the
-    amax is x's, recorded for the history as TE's cast kernel records it."""
-    return cast(x, scale, fp8), reciprocal(scale), amax(x)
+    amax is x's, recorded for the history as TE's cast kernel records it. `scale_inv`: the
+    scale's reciprocal, if already taken (graph_fp8.linear.Scales)."""
+    scale_inv = reciprocal(scale) if scale_inv is None else scale_inv
+    return cast(x, scale, fp8), scale_inv, amax(x)
 
 
 def stored_bf16(t: torch.Tensor) -> torch.Tensor:
