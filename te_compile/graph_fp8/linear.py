@@ -209,14 +209,24 @@ class Scales(NamedTuple):
     """A direction's DelayedScaling scales and their reciprocals (TE's scale_inv, quantize.py's
     arithmetic), taken once per module: one small kernel for every slot, where a reciprocal
     per quantized tensor is a launch of its own (inductor does not fuse [1]-sized work into
-    the casts)."""
+    the casts). `inverse` is [slots, SCALE_INV_ROW]: cuBLASLt refuses a scale pointer 4 bytes
+    into a buffer (CUBLAS_STATUS_NOT_SUPPORTED, seen on the H100), so each slot's reciprocal
+    starts a row of 512 bytes, the caching allocator's alignment of a tensor of its own."""
 
     scale: torch.Tensor
     inverse: torch.Tensor
 
     @staticmethod
     def of(scale: torch.Tensor) -> Scales:
-        return Scales(scale, quantize.reciprocal(scale))
+        rows = quantize.reciprocal(scale)[:, None]
+        return Scales(scale, torch.nn.functional.pad(rows, (0, SCALE_INV_ROW - 1)))
+
+    def inverse_of(self, slot: int) -> torch.Tensor:
+        """[1] scale_inv of `slot`, aligned as a tensor of its own (for the GEMMs)."""
+        return self.inverse[slot, :1]
+
+
+SCALE_INV_ROW = 128  # float32 elements: 512 bytes
 
 
 def quantize_delayed(t, scales: Scales, cfg: QuantConfig, role: int, stored=True, gemm=0):
@@ -226,8 +236,9 @@ def quantize_delayed(t, scales: Scales, cfg: QuantConfig, role: int, stored=True
     fused producer's float32 value, cast as TE casts it."""
     slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
-    scale, inverse = scales.scale[slot : slot + 1], scales.inverse[slot : slot + 1]
-    return quantize.quantize_delayed(t, scale, cfg.dtypes[role], inverse)
+    return quantize.quantize_delayed(
+        t, scales.scale[slot : slot + 1], cfg.dtypes[role], scales.inverse_of(slot)
+    )
 
 
 def in_slots(like: torch.Tensor, amaxes: dict) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The graph path's scaled GEMMs get scale pointers cuBLASLt takes: every scale_inv handed to
+`_scaled_mm`, in the forward and (saved) in the backward, starts 512 bytes into its buffer at a
+multiple. cuBLASLt refuses a scale 4 bytes into a buffer (CUBLAS_STATUS_NOT_SUPPORTED on the
+H100, for DelayedScaling's per-module reciprocals before graph_fp8.linear.Scales padded them),
+which no CPU trace would show without reading inductor's generated code, as this does."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+
+import te_compile
+from te_compile.tools.check_inductor import InductorRecorder
+from te_compile_testing import graph_fp8
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine behaviour")
+
+ALIGNED = 128  # float32 elements: 512 bytes
+_VIEW = re.compile(r"reinterpret_tensor\((\w+), \([^)]*\), \([^)]*\), (\d+)\)")
+_GEMM = re.compile(r"extern_kernels\._scaled_mm\(([^,]+), ([^,]+), (.+?), out_dtype")
+
+
+def _args(text: str) -> list[str]:
+    """Top-level comma-separated arguments of `text`."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur.strip()] if cur.strip() else out
+
+
+def _call_body(source: str) -> str:
+    return source[source.index("    def call(self, args):") :]
+
+
+def _offset(expr: str) -> int:
+    """Element offset of a scale argument: a reinterpreted view's, else 0 (a buffer of its own,
+    or a graph input)."""
+    view = _VIEW.fullmatch(expr)
+    return int(view.group(2)) if view else 0
+
+
+def scale_offsets(forward: str, backward: str) -> list[int]:
+    """Element offsets of every scale argument of the graphs' `_scaled_mm` calls; a backward
+    argument that is a saved tensor is followed to the forward's return value it is."""
+    fwd, bwd = _call_body(forward), _call_body(backward)
+    returned = _args(re.search(r"\n        return \((.*), \)\n", fwd).group(1))
+    inputs = _args(re.search(r"\n        (.*) = args\n", bwd).group(1))
+    saved = [n for n in inputs if not n.startswith("tangents")]
+    saved_values = dict(zip(saved, returned[len(returned) - len(saved) :], strict=True))
+    offsets = []
+    for body, lookup in ((fwd, {}), (bwd, saved_values)):
+        for call in _GEMM.finditer(body):
+            scales = _args(call.group(3))[:2]
+            offsets += [_offset(lookup.get(s, s)) for s in scales]
+    return offsets
+
+
+@pytest.mark.parametrize("recipe", [R.DelayedScaling, R.Float8CurrentScaling])
+def test_scaled_gemm_scales_are_aligned(recipe, patched):
+    """One TransformerLayer under the default graph_fp8 (its GEMMs all small), compiled by inductor."""
+    rec = InductorRecorder("hopper")
+    with te_compile.simulate_gpu("hopper"), graph_fp8(None), rec.context():
+        layer = te.TransformerLayer(
+            128,
+            512,
+            2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            params_dtype=torch.bfloat16,
+            self_attn_mask_type="causal",
+        ).cuda()
+        x = torch.randn(64, 1, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+        def step(x):
+            with te.autocast(recipe=recipe()):
+                return layer(x)
+
+        torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+    forward, backward = rec.sources
+    offsets = scale_offsets(forward, backward)
+    assert len(offsets) == 2 * 12  # 4 forward GEMMs, 8 backward, on the graph path
+    assert all(o % ALIGNED == 0 for o in offsets), offsets
+    if recipe is R.DelayedScaling:  # the padded layout is what this checks
+        assert any(o > 0 for o in offsets), offsets
