@@ -1,6 +1,6 @@
-"""The graph path's scaled GEMMs get scale pointers cuBLASLt takes: every scale_inv handed to
-`_scaled_mm`, in the forward and (saved) in the backward, starts 512 bytes into its buffer at a
-multiple. cuBLASLt refuses a scale 4 bytes into a buffer (CUBLAS_STATUS_NOT_SUPPORTED on the
+"""The graph path's scaled GEMMs get pointers cuBLASLt takes: every scale_inv handed to
+`_scaled_mm`, in the forward and (saved) in the backward, starts at a multiple of 512 bytes
+into its buffer, and every FP8 operand at a multiple of 16 bytes (cuBLASLt's alignment). cuBLASLt refuses a scale 4 bytes into a buffer (CUBLAS_STATUS_NOT_SUPPORTED on the
 H100, for DelayedScaling's per-module reciprocals before graph_fp8.linear.Scales padded them),
 which no CPU trace would show without reading inductor's generated code, as this does."""
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine b
 
 ALIGNED = 128  # float32 elements: 512 bytes
 _VIEW = re.compile(r"reinterpret_tensor\((\w+), \([^)]*\), \([^)]*\), (\d+)\)")
-_GEMM = re.compile(r"extern_kernels\._scaled_mm\(([^,]+), ([^,]+), (.+?), out_dtype")
+_GEMM = re.compile(r"extern_kernels\._scaled_mm\((.+?), out_dtype")
 
 
 def _args(text: str) -> list[str]:
@@ -49,20 +49,21 @@ def _offset(expr: str) -> int:
     return int(view.group(2)) if view else 0
 
 
-def scale_offsets(forward: str, backward: str) -> list[int]:
-    """Element offsets of every scale argument of the graphs' `_scaled_mm` calls; a backward
-    argument that is a saved tensor is followed to the forward's return value it is."""
+def gemm_offsets(forward: str, backward: str) -> tuple[list[int], list[int]]:
+    """Element offsets of the FP8 operands and of the scales of the graphs' `_scaled_mm` calls;
+    a backward argument that is a saved tensor is followed to the forward's return value."""
     fwd, bwd = _call_body(forward), _call_body(backward)
     returned = _args(re.search(r"\n        return \((.*), \)\n", fwd).group(1))
     inputs = _args(re.search(r"\n        (.*) = args\n", bwd).group(1))
     saved = [n for n in inputs if not n.startswith("tangents")]
     saved_values = dict(zip(saved, returned[len(returned) - len(saved) :], strict=True))
-    offsets = []
+    operands, scales = [], []
     for body, lookup in ((fwd, {}), (bwd, saved_values)):
         for call in _GEMM.finditer(body):
-            scales = _args(call.group(3))[:2]
-            offsets += [_offset(lookup.get(s, s)) for s in scales]
-    return offsets
+            offsets = [_offset(lookup.get(a, a)) for a in _args(call.group(1))[:4]]
+            operands += offsets[:2]
+            scales += offsets[2:]
+    return operands, scales
 
 
 @pytest.mark.parametrize("recipe", [R.DelayedScaling, R.Float8CurrentScaling])
@@ -87,8 +88,9 @@ def test_scaled_gemm_scales_are_aligned(recipe, patched):
 
         torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
     forward, backward = rec.sources
-    offsets = scale_offsets(forward, backward)
-    assert len(offsets) == 2 * 12  # 4 forward GEMMs, 8 backward, on the graph path
-    assert all(o % ALIGNED == 0 for o in offsets), offsets
+    operands, scales = gemm_offsets(forward, backward)
+    assert len(scales) == 2 * 12  # 4 forward GEMMs, 8 backward, on the graph path
+    assert all(o % ALIGNED == 0 for o in scales), scales
+    assert all(o % 16 == 0 for o in operands), operands
     if recipe is R.DelayedScaling:  # the padded layout is what this checks
-        assert any(o > 0 for o in offsets), offsets
+        assert any(o > 0 for o in scales), scales
