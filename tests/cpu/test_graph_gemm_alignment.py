@@ -66,30 +66,54 @@ def gemm_offsets(forward: str, backward: str) -> tuple[list[int], list[int]]:
     return operands, scales
 
 
+def _layer():
+    return te.TransformerLayer(
+        128,
+        512,
+        2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.bfloat16,
+        self_attn_mask_type="causal",
+    )
+
+
+def _rms_mlp():
+    return te.LayerNormMLP(
+        128, 512, bias=False, normalization="RMSNorm", params_dtype=torch.bfloat16
+    )
+
+
+def _linear():
+    return te.Linear(128, 256, params_dtype=torch.bfloat16)
+
+
+# module, input shape, GEMMs forward + backward on the graph path, forward kwargs
+MODULES = {
+    "transformer_layer": (_layer, (64, 1, 128), 12, {}),
+    "rmsnorm_mlp_no_bias": (_rms_mlp, (64, 128), 6, {}),
+    "linear_3d": (_linear, (16, 4, 128), 3, {}),
+}
+
+
+@pytest.mark.parametrize("module", MODULES)
 @pytest.mark.parametrize("recipe", [R.DelayedScaling, R.Float8CurrentScaling])
-def test_scaled_gemm_scales_are_aligned(recipe, patched):
-    """One TransformerLayer under the default graph_fp8 (its GEMMs all small), compiled by inductor."""
+def test_scaled_gemm_pointers_are_aligned(recipe, module, patched):
+    """A TE module under the default graph_fp8 (its GEMMs all small), compiled by inductor."""
+    make, shape, gemms, kwargs = MODULES[module]
     rec = InductorRecorder("hopper")
     with te_compile.simulate_gpu("hopper"), graph_fp8(None), rec.context():
-        layer = te.TransformerLayer(
-            128,
-            512,
-            2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=torch.bfloat16,
-            self_attn_mask_type="causal",
-        ).cuda()
-        x = torch.randn(64, 1, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        m = make().cuda()
+        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
         def step(x):
             with te.autocast(recipe=recipe()):
-                return layer(x)
+                return m(x, **kwargs)
 
         torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
     forward, backward = rec.sources
     operands, scales = gemm_offsets(forward, backward)
-    assert len(scales) == 2 * 12  # 4 forward GEMMs, 8 backward, on the graph path
+    assert len(scales) == 2 * gemms, scales
     assert all(o % ALIGNED == 0 for o in scales), scales
     assert all(o % 16 == 0 for o in operands), operands
     if recipe is R.DelayedScaling:  # the padded layout is what this checks
