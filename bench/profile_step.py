@@ -152,6 +152,36 @@ def torch_profile(step, path: str, n: int = 10) -> None:
     return gpu_ms, len(kernels) / n
 
 
+def measure(args, name: str, mode: str) -> tuple[float, float, float]:
+    """(issue ms, GPU ms, launches) of one recipe and mode, on a fresh model and dynamo; the
+    cProfile and torch.profiler tables go to args.out."""
+    torch._dynamo.reset()
+    q.FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    model = stacks.build(args.stack, args.hidden, args.layers)
+    shape = (args.tokens, args.batch) if args.batch else (args.tokens,)
+    x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
+    x.requires_grad_(True)
+    grad = torch.randn_like(x)
+    step = make_train_step(model, RECIPES[name](), mode, x, grad, args.inductor)
+    for _ in range(5):
+        step()
+    ms = issue_ms(step)
+    profile(step, os.path.join(args.out, f"profile-{name}-{mode}.txt"))
+    gpu_ms, launches = torch_profile(step, os.path.join(args.out, f"torchprof-{name}-{mode}.txt"))
+    print(f"{name:8} {mode:8} issue {ms:.3f} ms, GPU {gpu_ms:.3f} ms", flush=True)
+    return ms, gpu_ms, launches
+
+
+def cuda_usable() -> bool:
+    """False once a failure (a bad launch, a failed capture) has poisoned the CUDA context."""
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--stack", default="te")
@@ -173,34 +203,30 @@ def main() -> None:
     on = [name for name in args.on.split(",") if name]
     te_compile.configure(**dict.fromkeys(off, False), **dict.fromkeys(on, True))
     rows = []
-    for name in args.recipes.split(","):
-        for mode in args.modes.split(","):
-            torch._dynamo.reset()
-            q.FP8GlobalStateManager.reset()
-            torch.manual_seed(0)
-            model = stacks.build(args.stack, args.hidden, args.layers)
-            shape = (args.tokens, args.batch) if args.batch else (args.tokens,)
-            x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
-            x.requires_grad_(True)
-            grad = torch.randn_like(x)
-            step = make_train_step(model, RECIPES[name](), mode, x, grad, args.inductor)
-            for _ in range(5):
-                step()
-            ms = issue_ms(step)
-            profile(step, os.path.join(args.out, f"profile-{name}-{mode}.txt"))
-            path = os.path.join(args.out, f"torchprof-{name}-{mode}.txt")
-            gpu_ms, launches = torch_profile(step, path)
-            rows.append((name, mode, ms, gpu_ms, launches))
-            print(f"{name:8} {mode:8} issue {ms:.3f} ms, GPU {gpu_ms:.3f} ms", flush=True)
+    todo = [(name, mode) for name in args.recipes.split(",") for mode in args.modes.split(",")]
+    for name, mode in todo:
+        try:
+            rows.append((name, mode, *measure(args, name, mode)))
+        except Exception as e:  # noqa: BLE001 - one failing cell must not lose the others
+            rows.append((name, mode, None, None, None))
+            print(f"{name:8} {mode:8} failed: {str(e).splitlines()[0][:200]}", flush=True)
+            if not cuda_usable():
+                print("CUDA is unusable after that failure: stopping", flush=True)
+                break
+    x_shape = [args.tokens, *([args.batch] if args.batch else []), args.hidden]
     print(
-        f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {list(x.shape)}, "
+        f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {x_shape}, "
         f"{torch.cuda.get_device_name()}, options off: {off or 'none'}, on: {on or 'none'}, inductor: {args.inductor or 'defaults'}, heads of {args.head_dim}: CPU ms to issue one "
         "fwd+bwd step / GPU ms of its kernels / kernel launches"
     )
     modes = args.modes.split(",")
     print(f"| recipe | {' | '.join(modes)} |\n|---|{'---|' * len(modes)}")
     for name in args.recipes.split(","):
-        cells = (f"{ms:.2f} / {g:.2f} / {k:.0f}" for r, _, ms, g, k in rows if r == name)
+        cells = (
+            "failed" if ms is None else f"{ms:.2f} / {g:.2f} / {k:.0f}"
+            for r, _, ms, g, k in rows
+            if r == name
+        )
         print(f"| {name} | {' | '.join(cells)} |")
 
 
