@@ -5,10 +5,13 @@
 One te.TransformerLayer (causal, heads of 64) is traced under te_compile.simulate_gpu("hopper")
 and each graph compiled by inductor for the simulated GPU up to its generated code
 (te_compile.tools.check_inductor; nothing runs). Per graph it prints the Triton kernels
-generated, the launches in the wrapper (a kernel launched twice counts twice), the aten scaled
-GEMMs and the te_compile ops called. Each launch costs CPU in default mode and a few
-microseconds of GPU at small shapes, so this is the CPU-side number to watch when the graph
-path's code changes (the GPU's count: bench/profile_step.py).
+launched (distinct names; inductor's benchmark mode, on here, names repeated kernels apart), the
+launches in the wrapper (a kernel launched twice counts twice), the megabytes those launches
+read and write by inductor's own estimate (`kernel_num_gb`; over the GPU's memory bandwidth, a
+floor on their GPU time: 3.35 TB/s on an H100 SXM), the aten scaled GEMMs and the te_compile
+ops called. Each launch costs CPU in default mode and a few microseconds of GPU at small
+shapes, so this is the CPU-side number to watch when the graph path's code changes (the GPU's
+count: bench/profile_step.py); the megabytes are the GPU-bound shapes' number.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import re
 import warnings
 
 import torch
+from torch._inductor import config as inductor_config
 
 warnings.filterwarnings("ignore")
 
@@ -31,10 +35,21 @@ from te_compile.tools.check_inductor import InductorRecorder  # noqa: E402
 RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}
 
 
-def count(recipe_name: str, hidden: int, tokens: int) -> list[tuple[int, int, collections.Counter]]:
+_CALL = re.compile(r"\n    def call\(self, args\):|\ndef call\(args\):")
+_NUM_GB = re.compile(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.e+-]+)")
+
+
+def count(
+    recipe_name: str, hidden: int, tokens: int
+) -> list[tuple[int, int, float, collections.Counter]]:
     torch._dynamo.reset()
     rec = InductorRecorder("hopper")
-    with te_compile.simulate_gpu("hopper"), rec.context():
+    # benchmark_kernel: inductor writes each kernel's bytes read and written into its metadata
+    with (
+        te_compile.simulate_gpu("hopper"),
+        rec.context(),
+        inductor_config.patch(benchmark_kernel=True),
+    ):
         layer = te.TransformerLayer(
             hidden,
             4 * hidden,
@@ -55,11 +70,16 @@ def count(recipe_name: str, hidden: int, tokens: int) -> list[tuple[int, int, co
         torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
     rows = []
     for source in rec.sources:
-        code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith("#"))
+        num_gb = {name: float(gb) for name, gb in _NUM_GB.findall(source)}
+        # the graph's own calls: the last `call`, after each kernel's benchmark harness
+        body = source[[*_CALL.finditer(source)][-1].start() :]
+        code = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
         calls = collections.Counter(
             re.findall(r"(extern_kernels\._scaled_mm|te_compile\.\w+)(?:\.default)?\(", code)
         )
-        rows.append((source.count("@triton.jit"), len(re.findall(r"\.run\(", code)), calls))
+        launched = re.findall(r"(\w+)\.run\(", code)
+        megabytes = 1e3 * sum(num_gb.get(name, 0.0) for name in launched)
+        rows.append((len(set(launched)), len(launched), megabytes, calls))
     return rows
 
 
@@ -73,14 +93,16 @@ def main() -> None:
     print(
         f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, torch {torch.__version__}"
     )
-    print("| recipe | graph | Triton kernels | launches | scaled GEMMs and te_compile ops |")
-    print("|---|---|---|---|---|")
+    print(
+        "| recipe | graph | Triton kernels | launches | MB moved | scaled GEMMs and te_compile ops |"
+    )
+    print("|---|---|---|---|---|---|")
     for name in args.recipes.split(","):
-        for graph, (kernels, launches, calls) in zip(
+        for graph, (kernels, launches, megabytes, calls) in zip(
             ("forward", "backward"), count(name, args.hidden, args.tokens), strict=False
         ):
             ops = ", ".join(f"{op.split('.')[-1]} {n}" for op, n in sorted(calls.items()))
-            print(f"| {name} | {graph} | {kernels} | {launches} | {ops} |")
+            print(f"| {name} | {graph} | {kernels} | {launches} | {megabytes:.1f} | {ops} |")
 
 
 if __name__ == "__main__":
