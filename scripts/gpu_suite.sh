@@ -13,7 +13,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 "$py" -m te_compile 2>&1 | tee "$out/doctor.txt"
 # PART=1 / PART=2: the suite in two halves that each fit a lent machine's 10-minute call
 # (te.Linear, autocast, CUDA graphs, norms, TF32; then the layers, attention and models);
-# PART=3: the current-scaling cases again on TE's kernels (below).
+# PART=3: the per-tensor cases again on TE's kernels (below); PART=graph, PART=stack: below.
 # The training-stack files (checkpoint, CUDA-graph loops) and graph_fp8 run in calls of
 # their own: docs/gpu.md.
 g=tests/gpu
@@ -30,6 +30,10 @@ case "${PART:-all}" in
      files=($g/test_linear_gpu.py $g/test_linear_training_gpu.py $g/test_cudagraphs_gpu.py
             $g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k "current or delayed") ;;
+  # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
+  # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
+  graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py) ;;
+  stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
