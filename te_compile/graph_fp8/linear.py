@@ -168,7 +168,8 @@ class _LinearFunction(torch.autograd.Function):
             else:  # a fused producer's float32 value (graph_fp8/norm.py), cast as TE casts it
                 xq, x_si, x_amax = quantize_delayed(value, scales, cfg, 0, stored=False)
             wq, w_si, w_amax = quantize_delayed(weight, scales, cfg, 1)
-            amaxes = in_slots(fwd_scale, {0: x_amax, 1: w_amax})  # the output slot: none
+            slots = {delayed_slot("input"): x_amax, delayed_slot("weight"): w_amax}
+            amaxes = in_slots(fwd_scale, slots)  # the output slot: none
         y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
@@ -282,7 +283,8 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
     update of the module's backward state: as graph operations (delayed_update.py) where they
     are TE's arithmetic, else TE's kernel through te_compile's op."""
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
-    recorded = in_slots(history[0], {2 * gemm: a for gemm, a in enumerate(grad_amaxes)})
+    slots = {delayed_slot("grad", gemm): a for gemm, a in enumerate(grad_amaxes)}
+    recorded = in_slots(history[0], slots)
     latest = torch.maximum(history[0], recorded)
     if _graph_updates(cfg):
         new_history, new_scale = delayed_update.updated(

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..kernels.fp8_operands import delayed_slot
 from ..recipes import QuantConfig
 from . import linear, quantize
 
@@ -119,8 +120,13 @@ class _MLPFunction(torch.autograd.Function):
             fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
             aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
             w2q, w2_si, w2_amax = linear.quantize_delayed(w2, scales, cfg, _WEIGHT, gemm=_FC2)
-            # (the GEMM output slots, 2 and 5, record nothing)
-            amaxes = linear.in_slots(fwd_scale, {0: x_amax, 1: w1_amax, 3: a_amax, 4: w2_amax})
+            slots = {  # (the GEMM output slots record nothing)
+                delayed_slot("input", _FC1): x_amax,
+                delayed_slot("weight", _FC1): w1_amax,
+                delayed_slot("input", _FC2): a_amax,
+                delayed_slot("weight", _FC2): w2_amax,
+            }
+            amaxes = linear.in_slots(fwd_scale, slots)
         y = linear.fprop(aq, a_si, w2q, w2_si, dtype, acc[0], b2)
         ctx.save_for_backward(xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si)
         ctx.call, ctx.biases = call, (b1 is not None, b2 is not None)
