@@ -22,6 +22,10 @@ pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = ["none", "current", "delayed", "block"]
 CASES = [f"{k}{r}/{m}" for k in ("", "layer:") for r in RECIPES for m in ("tp", "sp")]
+# Graphs besides the model's one: the bf16 TransformerLayer's bias-free LayerNormMLP runs TE's
+# own torch.compile'd GELU forward and backward (transformer_engine.pytorch.jit) inside our op,
+# one compiled entry each (kernels/activation.py); more would be a recompile.
+TE_FUSION_GRAPHS = {"layer:none/tp": 2, "layer:none/sp": 2}
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +66,7 @@ def test_compiled_equals_eager_te_bit_for_bit(run, case):
     assert "error" not in r, r.get("error")
     assert r["losses_equal"] and r["params_equal"], (r["max_diff"], r)
     c = r["compiled"]
-    assert c["graphs"] == 1 and c["breaks"] == 0, c
+    assert c["graphs"] == 1 + TE_FUSION_GRAPHS.get(case, 0) and c["breaks"] == 0, c
     assert c["losses"][-1] < 0.9 * c["losses"][0], "did not learn"
 
 
