@@ -10,6 +10,19 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# PARTS="1 2" (on a machine of several GPUs): each part on a GPU of its own, side by side, logs in
+# $OUT/part<N>/; a 2-GPU lent machine runs two 10-minute parts in one call. No benchmarks then.
+if [ -n "${PARTS:-}" ]; then
+  gpu=0 status=0 pids=()
+  for part in $PARTS; do
+    PARTS= PART=$part BENCH=0 OUT="$out/part$part" CUDA_VISIBLE_DEVICES=$gpu \
+      bash "$root/scripts/gpu_suite.sh" "$@" >"$out/part$part.log" 2>&1 &
+    pids+=($!) gpu=$((gpu + 1))
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
+  for part in $PARTS; do echo "PART=$part"; tail -3 "$out/part$part.log"; done
+  exit $status
+fi
 "$py" -m te_compile 2>&1 | tee "$out/doctor.txt"
 # PART=1 / PART=2: the suite in two halves that each fit a lent machine's 10-minute call
 # (te.Linear, autocast, CUDA graphs, norms, TF32; then the layers, attention and models);
@@ -41,6 +54,7 @@ esac
 status=${PIPESTATUS[0]}
 for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   [ -f "$bench" ] || continue
+  [ "$bench" = bench/gpt_parity.py ] && continue  # a diagnosis, run on its own
   echo "== $bench" | tee -a "$out/bench.log"
   "$py" "$bench" 2>&1 | tee -a "$out/bench.log"
 done
