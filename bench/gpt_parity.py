@@ -14,8 +14,10 @@ torch.compile'd fusions compile) with inductor's `emulate_precision_casts=True`.
 runs TE's deterministic backward, so eager TE repeats itself bit for bit.
 
 Per row: the first step whose loss differs from eager TE's (- when none), the largest loss
-difference, and how many parameters differ after the last step. tests/gpu/test_gpt_blocks_gpu.py
-asserts the rows that hold; this table says where the others part.
+difference, how many parameters differ after the last step, and which parameters' gradients
+already differ after the first backward (with the largest difference): the module where the
+run parts from eager TE. tests/gpu/test_gpt_blocks_gpu.py asserts the rows that hold; this table
+says where the others part.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ PARTS = {
 
 
 def train(recipe: str, part: str | None, steps: int, seq: int = 128):
-    """(losses, parameters) of `steps` AdamW steps; `part`: what of each layer is compiled."""
+    """(losses, parameters after the last step, {name: gradient} of the first backward) of
+    `steps` AdamW steps; `part`: what of each layer is compiled."""
     torch._dynamo.reset()
     q.FP8GlobalStateManager.reset()
     torch.manual_seed(0)
@@ -61,14 +64,30 @@ def train(recipe: str, part: str | None, steps: int, seq: int = 128):
             module.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step = M.train_step(model, RECIPES[recipe]())
-    losses = []
+    losses, first_grads = [], {}
     for tokens, targets in M.synthetic_batches(256, 4, seq, steps, seed=0):
         loss = step(tokens, targets)
         loss.backward()
+        if not first_grads:
+            first_grads = {
+                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+            }
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
-    return torch.stack(losses).cpu(), [p.detach().clone() for p in model.parameters()]
+    params = [p.detach().clone() for p in model.parameters()]
+    return torch.stack(losses).cpu(), params, first_grads
+
+
+def grads_apart(got: dict, want: dict) -> str:
+    """The parameters whose first-step gradients differ, with the largest difference of each:
+    where the first backward parts from eager TE's."""
+    apart = [
+        f"{name.removeprefix('layers.')} {(got[name].float() - g.float()).abs().max().item():.1e}"
+        for name, g in want.items()
+        if name not in got or not torch.equal(got[name], g)
+    ]
+    return "; ".join(apart) if apart else "-"
 
 
 def main() -> None:
@@ -83,19 +102,20 @@ def main() -> None:
     split = str.split
     print(f"GPT per-part compile vs eager TE, {args.steps} steps, {torch.cuda.get_device_name()}")
     print(
-        "| rounding | recipe | compiled | path | first differing step | max loss diff | params differing |"
+        "| rounding | recipe | compiled | path | first differing step | max loss diff "
+        "| params differing | first-step gradients apart (max abs diff) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for rounding, recipe in itertools.product(split(args.rounding, ","), split(args.recipes, ",")):
         patch = {"emulate_precision_casts": True} if rounding == "eager" else {}
         with inductor_config.patch(patch):
-            ref, ref_params = train(recipe, None, args.steps)
+            ref, ref_params, ref_grads = train(recipe, None, args.steps)
             for part, path in itertools.product(split(args.compile, ","), split(args.paths, ",")):
                 te_compile.configure(graph_fp8=False if path == "te" else None)
                 try:
-                    losses, params = train(recipe, part, args.steps)
+                    losses, params, grads = train(recipe, part, args.steps)
                 except Exception as e:  # noqa: BLE001 (a row says it failed; the rest run)
-                    print(f"| {rounding} | {recipe} | {part} | {path} | failed: {e!s:.80} | | |")
+                    print(f"| {rounding} | {recipe} | {part} | {path} | failed: {e!s:.80} | | | |")
                     continue
                 finally:
                     te_compile.configure(graph_fp8=None)
@@ -107,7 +127,7 @@ def main() -> None:
                 diff = (losses - ref).abs().max().item()
                 print(
                     f"| {rounding} | {recipe} | {part} | {path} | {first} | {diff:.4f} "
-                    f"| {params_off} of {len(params)} |",
+                    f"| {params_off} of {len(params)} | {grads_apart(grads, ref_grads)} |",
                     flush=True,
                 )
 
