@@ -1,6 +1,6 @@
 """Where a compiled GPT's training departs from eager TE's: a bisection table, one GPU.
 
-    python bench/gpt_parity.py [--recipes none,current,delayed] [--paths default,te]
+    python bench/gpt_parity.py [--recipes bf16,current,delayed] [--paths default,te]
         [--rounding defaults,eager] [--compile layer,attention,mlp] [--steps 30]
 
 The example GPT (examples/models.py: 2 te.TransformerLayer with biases, LayerNorm, GELU,
@@ -34,17 +34,11 @@ from torch._inductor import config as inductor_config  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 import models as M  # noqa: E402
-from transformer_engine.common import recipe as R  # noqa: E402
+from profile_step import RECIPES  # noqa: E402  (bf16, current, block, delayed)
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
 import te_compile  # noqa: E402
 
-RECIPES = {
-    "none": lambda: None,
-    "current": R.Float8CurrentScaling,
-    "delayed": R.DelayedScaling,
-    "block": R.Float8BlockScaling,
-}
 PARTS = {
     "layer": lambda layer: [layer],
     "attention": lambda layer: [layer.self_attention],
@@ -92,7 +86,7 @@ def grads_apart(got: dict, want: dict) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--recipes", default="none,current,delayed")
+    p.add_argument("--recipes", default="bf16,current,delayed")
     p.add_argument("--paths", default="default,te")
     p.add_argument("--rounding", default="defaults,eager")
     p.add_argument("--compile", default="layer,attention,mlp")
