@@ -23,7 +23,6 @@ import torch
 from ..kernels.te_dtypes import TORCH_FP8
 
 FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-TORCH_DTYPE = TORCH_FP8
 _FLT_MAX = torch.finfo(torch.float32).max
 _EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a float32
 _BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
@@ -58,7 +57,7 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
     """FP8 data of `x * scale` with TE's saturating, round-to-nearest-even conversion."""
     limit = FP8_MAX[fp8]
-    return (x.float() * scale).clamp(-limit, limit).to(TORCH_DTYPE[fp8])
+    return (x.float() * scale).clamp(-limit, limit).to(TORCH_FP8[fp8])
 
 
 def quantize_current(
