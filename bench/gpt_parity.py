@@ -14,8 +14,8 @@ torch.compile'd fusions compile) with inductor's `emulate_precision_casts=True`.
 runs TE's deterministic backward, so eager TE repeats itself bit for bit.
 
 Per row: the first step whose loss differs from eager TE's (- when none), the largest loss
-difference, how many parameters differ after the last step, and which parameters' gradients
-already differ after the first backward (with the largest difference): the module where the
+difference, how many parameters differ after the last step, and the first backward whose
+gradients differ, with which parameters' (and the largest difference): the module where the
 run parts from eager TE. tests/gpu/test_gpt_blocks_gpu.py asserts the rows that hold; this table
 says where the others part.
 """
@@ -26,6 +26,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 
 os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
 
@@ -47,7 +48,7 @@ PARTS = {
 
 
 def train(recipe: str, part: str | None, steps: int, seq: int = 128):
-    """(losses, parameters after the last step, {name: gradient} of the first backward) of
+    """(losses, parameters after the last step, [{name: gradient}] of every backward) of
     `steps` AdamW steps; `part`: what of each layer is compiled."""
     torch._dynamo.reset()
     q.FP8GlobalStateManager.reset()
@@ -58,30 +59,31 @@ def train(recipe: str, part: str | None, steps: int, seq: int = 128):
             module.compile(fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     step = M.train_step(model, RECIPES[recipe]())
-    losses, first_grads = [], {}
+    losses, grads = [], []
     for tokens, targets in M.synthetic_batches(256, 4, seq, steps, seed=0):
         loss = step(tokens, targets)
         loss.backward()
-        if not first_grads:
-            first_grads = {
-                n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
-            }
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach().float())
     params = [p.detach().clone() for p in model.parameters()]
-    return torch.stack(losses).cpu(), params, first_grads
+    return torch.stack(losses).cpu(), params, grads
 
 
-def grads_apart(got: dict, want: dict) -> str:
-    """The parameters whose first-step gradients differ, with the largest difference of each:
-    where the first backward parts from eager TE's."""
-    apart = [
-        f"{name.removeprefix('layers.')} {(got[name].float() - g.float()).abs().max().item():.1e}"
-        for name, g in want.items()
-        if name not in got or not torch.equal(got[name], g)
-    ]
-    return "; ".join(apart) if apart else "-"
+def grads_apart(got: list[dict], want: list[dict]) -> str:
+    """The first backward whose gradients differ from eager TE's, and which parameters' (with
+    the largest difference of each): where the run parts from eager TE. A loss that differs at
+    step k after equal gradients up to k-1 parted in step k's forward."""
+    for i, (got_i, want_i) in enumerate(zip(got, want, strict=True)):
+        apart = [
+            f"{name.removeprefix('layers.')} {(got_i[name].float() - g.float()).abs().max():.1e}"
+            for name, g in want_i.items()
+            if name not in got_i or not torch.equal(got_i[name], g)
+        ]
+        if apart:
+            return f"step {i}: " + "; ".join(apart)
+    return "-"
 
 
 def main() -> None:
@@ -97,15 +99,16 @@ def main() -> None:
     print(f"GPT per-part compile vs eager TE, {args.steps} steps, {torch.cuda.get_device_name()}")
     print(
         "| rounding | recipe | compiled | path | first differing step | max loss diff "
-        "| params differing | first-step gradients apart (max abs diff) |"
+        "| params differing | first gradients apart: step, params (max abs diff) | time |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rounding, recipe in itertools.product(split(args.rounding, ","), split(args.recipes, ",")):
         patch = {"emulate_precision_casts": True} if rounding == "eager" else {}
         with inductor_config.patch(patch):
             ref, ref_params, ref_grads = train(recipe, None, args.steps)
             for part, path in itertools.product(split(args.compile, ","), split(args.paths, ",")):
                 te_compile.configure(graph_fp8=False if path == "te" else None)
+                started = time.perf_counter()
                 try:
                     losses, params, grads = train(recipe, part, args.steps)
                 except Exception as e:  # noqa: BLE001 (a row says it failed; the rest run)
@@ -121,7 +124,8 @@ def main() -> None:
                 diff = (losses - ref).abs().max().item()
                 print(
                     f"| {rounding} | {recipe} | {part} | {path} | {first} | {diff:.4f} "
-                    f"| {params_off} of {len(params)} | {grads_apart(grads, ref_grads)} |",
+                    f"| {params_off} of {len(params)} | {grads_apart(grads, ref_grads)} "
+                    f"| {time.perf_counter() - started:.0f} s |",
                     flush=True,
                 )
 

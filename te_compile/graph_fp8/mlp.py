@@ -16,25 +16,27 @@ recipe), and what stands for it here (the norm before it is te_compile::norm_fwd
     backward
     bgrad_quantize(dy)            at::sum, quantize  linear.bias_grad, quantize_stored
     fc2 dgrad / wgrad GEMMs                          linear.dgrad / wgrad
-    tex.dgelu(fc2_dgrad, fc1_out) float32, stored    dgelu() below, times the gradient,
-                                  bf16                rounded to bf16
+    tex.dgelu(fc2_dgrad, fc1_out) float32, stored    the same kernel (te_compile::
+                                  bf16                activation_grad)
     bgrad_quantize(dact)                             linear.bias_grad, quantize_stored
     fc1 dgrad / wgrad GEMMs                          linear.dgrad / wgrad
 
-`gelu` and `dgelu` are TE's formulas (common/util/math.h) written operation for operation.
-Inductor compiles them to the float32 code nvcc makes of TE's (the same libdevice tanh, the
-same multiply-adds fused): on an H100 every one of the 65,536 bfloat16 inputs gives TE's
-float32 result bit for bit (tests/gpu/test_graph_fp8_gpu.py). Eagerly, without fused
-multiply-adds, a few hundred differ: this path is for compiled graphs only.
+`gelu` is TE's formula (common/util/math.h) written operation for operation. Inductor
+compiles it to the float32 code nvcc makes of TE's (the same libdevice tanh, the same
+multiply-adds fused): on an H100 every one of the 65,536 bfloat16 inputs gives TE's float32
+result bit for bit (tests/gpu/test_graph_fp8_layers_gpu.py). Eagerly, without fused
+multiply-adds, a few differ: this path is for compiled graphs only. The GELU's gradient is
+TE's kernel: the same kind of formula compiled by inductor matched TE's on every input tried
+alone, yet a GPT trained on it parted from eager TE at the 4th step (ops/graph_path.py).
 
 With DelayedScaling (a stored scale per tensor, TE's slots: forward FC1 input 0, FC1 weight
 1, FC2 input 3, FC2 weight 4; backward FC1 grad_output 0, FC2 grad_output 2), eager TE's kernels
 cast float32 values straight to FP8 and record their amax: the norm's (the caller passes it,
 graph_fp8/norm.py), the GELU's (`tex.gelu` with a Float8Quantizer) and the GELU gradient's
-(`tex.dbias_dgelu`, which also sums FC1's dbias). Here the first two are cast from the same
-float32 values in the graph; the third too without biases, while with biases both dbias sums
-come from TE's fused kernels (te_compile::delayed_grad_quantize), whose order of additions only
-they have. The module's backward state is updated at the end of its backward, as te.Linear's.
+(`tex.dbias_dgelu`, which also sums FC1's dbias, with or without a bias). Here the first two
+are cast from the same float32 values in the graph; the third, and FC2's grad_output with a
+bias, come from TE's fused kernels (te_compile::delayed_grad_quantize), whose order of
+additions only they have. The module's backward state is updated at the end of its backward, as te.Linear's.
 """
 
 from __future__ import annotations
@@ -71,12 +73,6 @@ def applies(cfg: QuantConfig, activation: str, x, w1, w2, dtype) -> str:
 def gelu(v: torch.Tensor) -> torch.Tensor:
     """TE's tanh GELU of float32 `v`."""
     return v * (0.5 + 0.5 * torch.tanh(v * (0.79788456 + 0.03567741 * v * v)))
-
-
-def dgelu(v: torch.Tensor) -> torch.Tensor:
-    """TE's derivative of its tanh GELU at float32 `v`."""
-    t = torch.tanh(0.79788456 * v * (1.0 + 0.044715 * v * v))
-    return 0.5 * v * ((1.0 - t * t) * (0.79788456 + 0.1070322243 * v * v)) + 0.5 * (1.0 + t)
 
 
 def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
@@ -156,17 +152,13 @@ class _MLPFunction(torch.autograd.Function):
         fc2_dgrad = linear.dgrad(gq, g_si, w2q, w2_si, dtype, acc[1])
         g1q_t = None
         if bwd_scale is None:
-            dact = (dgelu(fc1_out.float()) * fc2_dgrad.float()).to(dtype)
+            dact = torch.ops.te_compile.activation_grad(fc2_dgrad, fc1_out, "gelu")
             db1 = linear.bias_grad(dact) if ctx.biases[0] and needs[2] else None
             g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
-        elif ctx.biases[0]:
+        else:  # eager TE calls tex.dbias_dgelu with or without FC1's bias
             db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
                 fc2_dgrad, scales, cfg, _FC1, act_input=fc1_out, act="gelu"
             )
-        else:  # tex.dbias_dgelu's FP8 data: the float32 gradient cast unrounded
-            dact = dgelu(fc1_out.float()) * fc2_dgrad.float()
-            g1q, g1_si, g1_amax = linear.quantize_delayed(dact, scales, cfg, _GRAD, False)
-            db1 = None
         dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
         dx = linear.dgrad(g1q, g1_si, w1q, w1_si, dtype, acc[1]) if needs[0] else None
         if bwd_scale is not None:

@@ -8,6 +8,11 @@ TE's bytes, or do the job faster than inductor's generated code.
   bit-identical to TE's, for one small launch.
 - fp8_transpose: FP8 data's transposed copy (the column-wise data Hopper's FP8 GEMMs read) by
   TE's transpose kernel, for large tensors (graph_fp8/linear.py says when).
+- activation_grad: LayerNormMLP's activation gradient with Float8CurrentScaling, by TE's own
+  `tex.d<act>` (float32 arithmetic, stored in grad's dtype). The same formula compiled by
+  inductor matched TE's kernel on every input tried alone, yet a GPT trained on it parted from
+  eager TE by one bf16 step at the 4th step (session 20, H100): the rounding of a float32
+  expression depends on which multiply-adds the compiler fuses, which no formula pins down.
 - delayed_grad_quantize: DelayedScaling's gradient quantization where eager TE fuses a bias
   gradient into it (te.Linear's and FC2's grad_output with a bias, LayerNormMLP's activation
   backward always). TE's fused kernel sums the bias gradient in its own order (per-tile float32
@@ -45,6 +50,15 @@ def fp8_transpose(data: Tensor) -> Tensor:
 
 
 fp8_transpose.fake(lambda a: a.data.new_empty(a.data.shape[::-1]))
+
+
+@op()
+def activation_grad(grad: Tensor, act_input: Tensor, act: str) -> Tensor:
+    """`tex.d<act>(grad, act_input, None)`: the activation's gradient in grad's dtype."""
+    return activation.dactivate(grad, act_input, act, ())
+
+
+activation_grad.fake(lambda a: a.grad.new_empty(a.grad.shape))
 
 
 @op()

@@ -1,23 +1,23 @@
 """GPU: the example GPT (examples/models.py, 2 te.TransformerLayer with biases, LayerNorm, GELU,
 causal attention, no dropout) trained 30 AdamW steps with each layer compiled on its own
 (`layer.compile(fullgraph=True)`, the way FSDP2 users compile), embedding and loss eager, against
-eager TE from the same weights on the same batches: every step's loss and every parameter
-after the last step bit-identical, per Hopper recipe, on the default path and with
-`graph_fp8=False` (TE's kernels). Attention runs TE's deterministic backward
+eager TE from the same weights on the same batches, per Hopper recipe, on the default path and
+with `graph_fp8=False` (TE's kernels): under inductor's `emulate_precision_casts=True` every
+step's loss and every parameter after the last step bit-identical; under its defaults, close. Attention runs TE's deterministic backward
 (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0), so eager TE is bit-reproducible run to run.
 
 Why: 2-GPU FSDP2 runs (docs/distributed.md, session 19) trained Float8CurrentScaling compiled
 per block 0.054 away from eager TE over 50 steps, where session 4's code was bit-identical;
 single-step module tests did not show it. This file asks the same question on one GPU.
 
-First run (session 19, H100, inductor's defaults): TE's kernels bit-identical for
-Float8CurrentScaling, DelayedScaling and Float8BlockScaling over all 30 steps; the default path
-(the graph path for these small GEMMs) for Float8CurrentScaling and DelayedScaling, and bf16,
-differ from step 1 on (the first backward), max |loss difference| 0.05-0.08. Those three are
-expected failures under inductor's defaults (strict: a fix shows as XPASS). The same cases
-under `emulate_precision_casts=True` (inductor rounds each op's result to its dtype, as eager
-does; the setting under which the TransformerLayer tests assert bit-identity) say whether the
-difference is inductor keeping fused intermediates in float32: not run yet.
+Under inductor's defaults a compiled layer is not eager TE bit for bit, on any path or recipe
+(bf16 included): inductor keeps a fused sum in float32 where eager rounds it to bf16 (session 20,
+bench/gpt_parity.py: only the whole layer parts from eager TE at step 1, its attention or MLP
+compiled alone do not; the first gradients apart are the last layer's projection bias, summed
+from the residual stream's two gradients). There the curves must stay close; bit-identity is
+asked under `emulate_precision_casts=True` (inductor rounds each op's result to its dtype, as
+eager does), where session 20 found the graph path's compiled GELU gradient parting from eager
+TE at step 4 with Float8CurrentScaling (now TE's kernel: ops/graph_path.py).
 
 Run: `python3 -m pytest tests/gpu/test_gpt_blocks_gpu.py`.
 """
@@ -44,8 +44,9 @@ FGS = q.FP8GlobalStateManager
 STEPS, BATCH, SEQ, LR = 30, 4, 128, 3e-3
 M = example_models()
 CASES = ["none", "current", "delayed", "block", "current-te", "delayed-te"]
-# Differed from eager TE under inductor's defaults in session 19's run (above).
-DRIFT_UNDER_DEFAULTS = {"none", "current", "delayed"}
+# Largest |loss difference| allowed under inductor's defaults (sessions 19-20: 0.005-0.08
+# over 30 steps from a loss of about 5.5; a wrong scale or a lost gradient gives far more).
+DEFAULTS_TOLERANCE = 0.2
 EAGER_ROUNDING = {"emulate_precision_casts": True}
 
 
@@ -99,6 +100,10 @@ def compiled_against_eager(case: str, patched, rounding: str) -> None:
     finally:
         patched.configure(graph_fp8=saved)
     assert losses[-1] < losses[0] - 1.0, "did not learn"
+    if rounding == "defaults":
+        assert (losses - ref_losses).abs().max() < DEFAULTS_TOLERANCE
+        assert graphs <= 3, graphs
+        return
     first = next((i for i in range(STEPS) if losses[i] != ref_losses[i]), None)
     assert first is None, (
         f"first differing step {first}: compiled {losses[first].item()} eager "
@@ -112,16 +117,8 @@ def compiled_against_eager(case: str, patched, rounding: str) -> None:
     assert graphs <= 3, graphs
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="session 19: differs"))
-        if c in DRIFT_UNDER_DEFAULTS
-        else c
-        for c in CASES
-    ],
-)
-def test_per_block_compiled_gpt_trains_bit_identical_to_eager_te(case, patched):
+@pytest.mark.parametrize("case", CASES)
+def test_per_block_compiled_gpt_trains_close_to_eager_te(case, patched):
     compiled_against_eager(case, patched, "defaults")
 
 

@@ -1,5 +1,5 @@
 """GPU tests of graph_fp8 beyond te.Linear (te_compile.configure(graph_fp8=True) with
-Float8CurrentScaling and DelayedScaling): TE's GELU and its derivative as inductor compiles them, over every
+Float8CurrentScaling and DelayedScaling): TE's GELU as inductor compiles it, over every
 bfloat16 input; the bias gradient against TE's bgrad; LayerNormMLP, LayerNormLinear and
 TransformerLayer trained compiled on the graph path against eager TE, bit for bit.
 
@@ -34,14 +34,13 @@ def _differing(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((~same).sum())
 
 
-def test_gelu_and_dgelu_are_tes_on_every_bfloat16():
-    """Inductor's float32 GELU and GELU derivative against TE's kernels on float32 copies of all
-    65,536 bfloat16 values (TE's kernels compute in float32 whatever they read): 0 differ.
-    Eager PyTorch (no fused multiply-adds) differs on some: the path is for compiled graphs."""
+def test_gelu_is_tes_on_every_bfloat16():
+    """Inductor's float32 GELU against TE's kernel on float32 copies of all 65,536 bfloat16
+    values (TE's kernels compute in float32 whatever they read): 0 differ. Eager PyTorch (no
+    fused multiply-adds) differs on some: the path is for compiled graphs. (The GELU's gradient
+    is TE's kernel on the graph path: bench/dgelu_formula.py says why.)"""
     x = _every_bfloat16().float()
-    ours = torch.compile(lambda v: (mlp.gelu(v), mlp.dgelu(v)))(x)
-    theirs = (tex.gelu(x, None), tex.dgelu(torch.ones_like(x), x, None))
-    assert [_differing(a, b) for a, b in zip(ours, theirs, strict=True)] == [0, 0]
+    assert _differing(torch.compile(mlp.gelu)(x), tex.gelu(x, None)) == 0
 
 
 def test_gelu_quantized_as_te_fuses_it():
