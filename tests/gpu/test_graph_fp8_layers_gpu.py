@@ -61,6 +61,17 @@ def test_gelu_quantized_as_te_fuses_it():
         assert torch.equal(scale_inv, want._scale_inv.reshape(1))
 
 
+def test_activation_grad_is_tes_dgelu(patched):
+    """te_compile::activation_grad (the graph path's GELU gradient with Float8CurrentScaling)
+    against `tex.dgelu` bit for bit, and opcheck on the real kernel."""
+    torch.manual_seed(0)
+    grad = (torch.randn(512, 1024, device="cuda") * 1e-3).to(torch.bfloat16)
+    act_input = (torch.randn(512, 1024, device="cuda") * 3).to(torch.bfloat16)
+    got = torch.ops.te_compile.activation_grad(grad, act_input, "gelu")
+    assert torch.equal(got, tex.dgelu(grad, act_input, None))
+    torch.library.opcheck(torch.ops.te_compile.activation_grad.default, (grad, act_input, "gelu"))
+
+
 @pytest.mark.parametrize("shape", [(64, 128), (1000, 3072), (8192, 1024)])
 def test_bias_grad_is_tes_bgrad(shape, patched):
     """te_compile::bias_grad against tex.bgrad_quantize's dbias (current scaling: at::sum_out),
