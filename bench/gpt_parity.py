@@ -16,8 +16,9 @@ runs TE's deterministic backward, so eager TE repeats itself bit for bit.
 Per row: the first step whose loss differs from eager TE's (- when none), the largest loss
 difference, how many parameters differ after the last step, and the first backward whose
 gradients differ, with which parameters' (and the largest difference): the module where the
-run parts from eager TE. tests/gpu/test_gpt_blocks_gpu.py asserts the rows that hold; this table
-says where the others part.
+run parts from eager TE. tests/gpu/test_gpt_blocks_gpu.py asserts what holds; this table says
+where a run parts. Session 20's tables (H100): docs/perf/gpt_parity/session20-h100.md, read in
+docs/graph_fp8.md ("Where a compiled model is not bit-identical").
 """
 
 from __future__ import annotations

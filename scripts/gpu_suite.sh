@@ -45,7 +45,7 @@ case "${PART:-all}" in
             $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k "current or delayed") ;;
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
   # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
-  graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py) ;;
+  graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_gpt_blocks_gpu.py) ;;
   stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
   *) files=(tests) ;;
 esac
