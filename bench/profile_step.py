@@ -150,10 +150,13 @@ def torch_profile(step, path: str, n: int = 10) -> None:
         f.write(f"{n} steps\n{table}\n\nBy GPU time:\n{gpu_table}\n")
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time for e in kernels) / 1e3 / n
-    # Calls that make the CPU wait for the GPU (the last is the profile's own synchronize): a
-    # step whose issue time grows with the shape while its launches do not is waiting somewhere.
+    # Calls that make the CPU wait for the GPU (the last is the profile's own synchronize;
+    # cudaFree waits for the device, cudaMalloc is the caching allocator growing): a step whose
+    # issue time grows with the shape while its launches do not is waiting somewhere.
     waits = collections.Counter(
-        e.name for e in prof.events() if "Synchronize" in e.name or e.name == "cudaMemcpy"
+        e.name
+        for e in prof.events()
+        if "Synchronize" in e.name or e.name in ("cudaMemcpy", "cudaFree", "cudaMalloc")
     )
     print(f"  CPU-GPU waits in {n} steps: {dict(waits) or 'none'}", flush=True)
     return gpu_ms, len(kernels) / n
