@@ -13,12 +13,13 @@ per block 0.054 away from eager TE over 50 steps, where session 4's code was bit
 single-step module tests did not show it. This file asks the same question on one GPU.
 
 Under inductor's defaults a compiled layer is not eager TE bit for bit, on any path or recipe
-(bf16 included), in the first compile in a process that meets te_compile's ops: inductor keeps
-the residual stream's gradient sum in float32 where eager rounds it to bf16 (session 20,
+(bf16 included): inductor keeps the residual stream's gradient sum in float32 where eager
+rounds it to bf16, on the graph path in every compile, on TE's kernels in the first compile in a
+process that meets their ops (session 20,
 bench/gpt_parity.py: only the whole layer parts from eager TE at step 1, its attention or MLP
-compiled alone do not; the first gradients apart are the last layer's projection bias); later
-compiles store it rounded (docs/graph_fp8.md, "Why the first compile in a process differs"), so
-which cases here part depends on their order. There the curves must stay close; bit-identity is
+compiled alone do not; the first gradients apart are the last layer's projection bias;
+docs/graph_fp8.md, "Why the first compile in a process differs"), so which TE's-kernel cases
+here part depends on their order. There the curves must stay close; bit-identity is
 asked under `emulate_precision_casts=True` (inductor rounds each op's result to its dtype, as
 eager does). There, in session 20, the graph path with Float8CurrentScaling parted from eager TE
 at step 4 while its GELU gradient was compiled by inductor; with TE's kernel for it
