@@ -113,7 +113,9 @@ def main() -> None:
                 try:
                     losses, params, grads = train(recipe, part, args.steps)
                 except Exception as e:  # noqa: BLE001 (a row says it failed; the rest run)
-                    print(f"| {rounding} | {recipe} | {part} | {path} | failed: {e!s:.80} | | | |")
+                    print(
+                        f"| {rounding} | {recipe} | {part} | {path} | failed: {e!s:.80} | | | | |"
+                    )
                     continue
                 finally:
                     te_compile.configure(graph_fp8=None)

@@ -36,7 +36,8 @@ graph_fp8/norm.py), the GELU's (`tex.gelu` with a Float8Quantizer) and the GELU 
 (`tex.dbias_dgelu`, which also sums FC1's dbias, with or without a bias). Here the first two
 are cast from the same float32 values in the graph; the third, and FC2's grad_output with a
 bias, come from TE's fused kernels (te_compile::delayed_grad_quantize), whose order of
-additions only they have. The module's backward state is updated at the end of its backward, as te.Linear's.
+additions only they have. The module's backward state is updated at the end of its backward,
+as te.Linear's.
 """
 
 from __future__ import annotations

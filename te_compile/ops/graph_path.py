@@ -11,8 +11,8 @@ TE's bytes, or do the job faster than inductor's generated code.
 - activation_grad: LayerNormMLP's activation gradient with Float8CurrentScaling, by TE's own
   `tex.d<act>` (float32 arithmetic, stored in grad's dtype). The same formula compiled by
   inductor matched TE's kernel on every input tried alone, yet a GPT trained on it parted from
-  eager TE by one bf16 step at the 4th step (session 20, H100): the rounding of a float32
-  expression depends on which multiply-adds the compiler fuses, which no formula pins down.
+  eager TE by one bf16 step at the 4th step (session 20, H100); with this kernel it did not. Why
+  the compiled formula parted inside the MLP's backward kernel was not found.
 - delayed_grad_quantize: DelayedScaling's gradient quantization where eager TE fuses a bias
   gradient into it (te.Linear's and FC2's grad_output with a bias, LayerNormMLP's activation
   backward always). TE's fused kernel sums the bias gradient in its own order (per-tile float32

@@ -81,8 +81,9 @@ def test_delayed_scaling_layer(patched, graph_breaks):
 def test_delayed_scaling_mlp(bias, patched, graph_breaks):
     """DelayedScaling's LayerNormMLP on the graph path: both biases' gradients from TE's fused
     kernels (FC2's grad_output cast, FC1's GELU-gradient cast); without biases FC2's is in the
-    graph, FC1's still TE's kernel (eager TE calls it with or without a bias). The forward merges the six slots' amaxes into TE's history; the backward runs
-    the module's own update in graph operations."""
+    graph, FC1's still TE's kernel (eager TE calls it with or without a bias). The forward
+    merges the six slots' amaxes into TE's history; the backward runs the module's own update
+    in graph operations."""
 
     def make():
         return te.LayerNormMLP(64, 256, bias=bias, params_dtype=torch.bfloat16).cuda()
