@@ -15,6 +15,7 @@ def swaps() -> list[Swap]:
         layernorm_mlp,
         linear,
         persistent_state,
+        transformer_layer,
     )
 
     return (
@@ -25,4 +26,5 @@ def swaps() -> list[Swap]:
         + layernorm_mlp.swaps()
         + attention.swaps()
         + checkpointing.swaps()
+        + transformer_layer.swaps()
     )

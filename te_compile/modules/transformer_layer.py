@@ -1,0 +1,55 @@
+"""te.TransformerLayer under compile: its residual stream rounded where eager TE stores it.
+
+Eager TE stores each bias-dropout-add's output in the layer's dtype (TE's `jit_fuser` compiles
+the add on its own), and autograd stores the sum of the gradients that reach that output (the
+next residual add's and the next block's) before TE's compiled add reads it in backward.
+Compiled whole, inductor fuses that sum into its consumers (the bias gradient's reduction, the
+gradient of the layer's input) and, under its default settings, keeps it in float32: a GPT
+parted from eager TE at its first backward on either path, bf16 too (session 20,
+docs/graph_fp8.md). Here both the value and its gradient are rounded as a store would round
+them (graph_fp8.quantize.stored_bf16's bit arithmetic, which inductor keeps), so they hold under
+inductor's defaults; under `emulate_precision_casts` they change nothing. bf16 layers only: an
+fp16 or fp32 layer's adds pass as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..graph_fp8.quantize import stored_bf16
+from ..patching import Swap
+
+
+def _as_stored(t: torch.Tensor) -> torch.Tensor:
+    return stored_bf16(t).to(torch.bfloat16)
+
+
+class StoredAsEager(torch.autograd.Function):
+    """Identity that rounds its bf16 value in forward and its gradient in backward, where eager
+    TE's tensors are stored."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return _as_stored(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _as_stored(grad)
+
+
+def make_bias_dropout_add(original):
+    def _bias_dropout_add(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if torch.compiler.is_compiling() and out.dtype == torch.bfloat16:
+            return StoredAsEager.apply(out)
+        return out
+
+    _bias_dropout_add.__doc__ = original.__doc__
+    return _bias_dropout_add
+
+
+def swaps() -> list[Swap]:
+    from transformer_engine.pytorch.transformer import TransformerLayer
+
+    bda = make_bias_dropout_add(vars(TransformerLayer)["_bias_dropout_add"])
+    return [Swap(TransformerLayer, "_bias_dropout_add", bda)]

@@ -1,0 +1,102 @@
+"""te.TransformerLayer's residual stream under inductor's default settings: no generated
+reduction sums two gradients that eager TE would have stored (rounded to bf16) first.
+
+Eager TE's bias-dropout-add (compiled on its own by TE's jit_fuser) reads in backward the sum of
+the gradients that reach its output, which autograd stored in bf16. Compiled whole, inductor
+fused that sum into the bias gradient's reduction and kept it in float32 (session 20's GPT
+bisection on an H100: the first gradient apart from eager TE was the projection bias's).
+modules/transformer_layer.py rounds the value and the gradient at each bias-dropout-add's output;
+this reads inductor's generated Triton code for the simulated Hopper (nothing runs) and checks
+that no reduction adds two loaded tensors without rounding, and, as a control, that without the
+rounding such a reduction appears. Each compile runs in a fresh process: inductor realizes a
+custom op's multi-user inputs only once the op's implicit fallback exists, so a second compile
+in one process stores the sum (rounded) first and the test would pass vacuously
+(docs/graph_fp8.md, "Why the first compile in a process differs")."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine behaviour")
+
+_KERNEL = re.compile(r"\n(?=\w+ = async_compile\.triton\()")
+_LOAD = re.compile(r"^\s*(tmp\d+) = tl\.load\(")
+_ADD = re.compile(r"^\s*(tmp\d+) = (tmp\d+) \+ (tmp\d+)$")
+
+_COMPILE = """
+import json, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+import te_compile
+from te_compile.modules import transformer_layer
+from te_compile.tools.check_inductor import InductorRecorder
+
+recipe_name, rounded = sys.argv[1], sys.argv[2] == "rounded"
+te_compile.patch()
+if not rounded:
+    class NotRounded:
+        apply = staticmethod(lambda t: t)
+    transformer_layer.StoredAsEager = NotRounded
+recipe = {"none": None, "current": R.Float8CurrentScaling(), "delayed": R.DelayedScaling()}[recipe_name]
+rec = InductorRecorder("hopper")
+with te_compile.simulate_gpu("hopper"), rec.context():
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(256, 1024, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                params_dtype=torch.bfloat16, self_attn_mask_type="causal").cuda()
+    x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def step(x):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            return layer(x)
+
+    torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+print("SOURCES" + json.dumps(rec.sources))
+"""
+
+
+def _kernels(recipe_name: str, rounded: bool) -> list[str]:
+    """The Triton kernels inductor generates for one bf16 TransformerLayer step, in a fresh
+    process (`rounded`: te_compile's residual rounding on)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    args = [recipe_name, "rounded" if rounded else "plain"]
+    done = subprocess.run(
+        [sys.executable, "-c", _COMPILE, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    sources = json.loads(done.stdout.split("SOURCES", 1)[1])
+    kernels = [k for source in sources for k in _KERNEL.split(source)]
+    return [k for k in kernels if "async_compile.triton(" in k]
+
+
+def unrounded_gradient_sums(kernels: list[str]) -> list[str]:
+    """Names of the reduction kernels that add two loaded tensors and round nothing."""
+    found = []
+    for kernel in kernels:
+        if "tl.sum" not in kernel or "bitcast=True" in kernel:
+            continue
+        lines = kernel.splitlines()
+        loads = {m.group(1) for line in lines if (m := _LOAD.match(line))}
+        if any((m := _ADD.match(line)) and {m.group(2), m.group(3)} <= loads for line in lines):
+            found.append(kernel.split(" = ", 1)[0])
+    return found
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "current", "delayed"])
+def test_no_reduction_sums_unrounded_gradients(recipe_name):
+    assert unrounded_gradient_sums(_kernels(recipe_name, rounded=True)) == []
+    # the control: without the rounding, the bias gradient's reduction sums them unrounded
+    assert unrounded_gradient_sums(_kernels(recipe_name, rounded=False)) != []
