@@ -11,7 +11,8 @@ that no reduction adds two loaded tensors without rounding, and, as a control, t
 rounding such a reduction appears. Each compile runs in a fresh process: inductor realizes a
 custom op's multi-user inputs only once the op's implicit fallback exists, so a second compile
 in one process stores the sum (rounded) first and the test would pass vacuously
-(docs/graph_fp8.md, "Why the first compile in a process differs")."""
+(docs/graph_fp8.md, "Why the first compile in a process differs"). Also: the rounding keeps
+what the forward saves for backward as it was (activation memory), on both paths."""
 
 from __future__ import annotations
 
@@ -100,3 +101,79 @@ def test_no_reduction_sums_unrounded_gradients(recipe_name):
     assert unrounded_gradient_sums(_kernels(recipe_name, rounded=True)) == []
     # the control: without the rounding, the bias gradient's reduction sums them unrounded
     assert unrounded_gradient_sums(_kernels(recipe_name, rounded=False)) != []
+
+
+def _saved_for_backward(rounded: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of what the forward saves for backward, partitioned as inductor partitions
+    (min-cut), for two TransformerLayers with Float8CurrentScaling."""
+    from functorch.compile import min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+    from transformer_engine.common import recipe as R
+
+    import te_compile
+    from te_compile.modules import transformer_layer
+
+    class NotRounded:
+        apply = staticmethod(lambda t: t)
+
+    saved = []
+
+    def forward_compiler(gm, example_inputs):
+        (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+        values = [getattr(o, "meta", {}).get("val") for o in outputs]
+        saved.extend((tuple(v.shape), v.dtype) for v in values if isinstance(v, torch.Tensor))
+        return gm
+
+    backend = aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=lambda gm, example_inputs: gm,
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    torch._dynamo.reset()
+    with te_compile.simulate_gpu("hopper"):
+        original = transformer_layer.StoredAsEager
+        if not rounded:
+            transformer_layer.StoredAsEager = NotRounded
+        try:
+            import transformer_engine.pytorch as te
+
+            torch.manual_seed(0)
+            layers = torch.nn.Sequential(
+                *[
+                    te.TransformerLayer(
+                        256,
+                        1024,
+                        4,
+                        hidden_dropout=0.0,
+                        attention_dropout=0.0,
+                        params_dtype=torch.bfloat16,
+                        self_attn_mask_type="causal",
+                    )
+                    for _ in range(2)
+                ]
+            ).cuda()
+            x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            recipe = R.Float8CurrentScaling()
+
+            def step(x):
+                with te.autocast(recipe=recipe):
+                    return layers(x)
+
+            torch.compile(step, backend=backend, fullgraph=True)(x).float().sum().backward()
+        finally:
+            transformer_layer.StoredAsEager = original
+    return saved
+
+
+@pytest.mark.parametrize("graph_path", [False, True], ids=["te_kernels", "graph_path"])
+def test_rounding_saves_nothing_more_for_backward(graph_path, patched):
+    """The rounding is an identity in value: the forward keeps the same tensors for backward
+    (activation memory unchanged), on TE's kernels and on the graph path; and the forward
+    saved FP8 operands (the control that the trace quantized)."""
+    from te_compile_testing import graph_fp8
+
+    with graph_fp8(graph_path):
+        rounded, plain = _saved_for_backward(True), _saved_for_backward(False)
+    assert sorted(rounded, key=str) == sorted(plain, key=str)
+    fp8 = (torch.uint8, torch.float8_e4m3fn)  # TE's FP8 storage, aten's FP8 dtype
+    assert any(dtype in fp8 for _, dtype in rounded), sorted({str(d) for _, d in rounded})
