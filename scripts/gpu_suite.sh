@@ -10,17 +10,39 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 cd "$root"
 export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# PARTS="1 2" (on a machine of several GPUs): each part on a GPU of its own, side by side, logs in
-# $OUT/part<N>/; a 2-GPU lent machine runs two 10-minute parts in one call. No benchmarks then.
+# PARTS="1 2a 2b ..." (on a machine of several GPUs): the listed parts run as a queue, one pytest
+# process per GPU: each GPU takes the next part not yet taken when its last one ends (list the
+# longest first). Logs in $OUT/part<N>/ and $OUT/part<N>.log; no benchmarks. GPUS=4 overrides
+# the count (default: nvidia-smi -L). PART_TIMEOUT=S stops a part after S seconds (timeout(1)),
+# so a lent machine's call ends with every finished part's report on disk.
 if [ -n "${PARTS:-}" ]; then
-  gpu=0 status=0 pids=()
-  for part in $PARTS; do
-    PARTS= PART=$part BENCH=0 OUT="$out/part$part" CUDA_VISIBLE_DEVICES=$gpu \
-      bash "$root/scripts/gpu_suite.sh" "$@" >"$out/part$part.log" 2>&1 &
-    pids+=($!) gpu=$((gpu + 1))
+  gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
+  [ "$gpus" -ge 1 ] || gpus=1
+  claims=$(mktemp -d) status=0 pids=()
+  worker() {  # $1: the GPU, then pytest's arguments; claims a part by creating its marker
+    local gpu=$1     # (mkdir is atomic)
+    shift
+    for part in $PARTS; do
+      mkdir "$claims/$part" 2>/dev/null || continue
+      echo "GPU $gpu: PART=$part from $(date +%T)" >>"$out/queue.log"
+      PARTS= PART=$part BENCH=0 OUT="$out/part$part" CUDA_VISIBLE_DEVICES=$gpu \
+        timeout "${PART_TIMEOUT:-0}" bash "$root/scripts/gpu_suite.sh" "$@" \
+        >"$out/part$part.log" 2>&1 || echo "$part" >>"$claims/failed"
+      echo "GPU $gpu: PART=$part done $(date +%T)" >>"$out/queue.log"
+    done
+  }
+  for ((gpu = 0; gpu < gpus; gpu++)); do
+    worker "$gpu" "$@" &
+    pids+=($!)
   done
-  for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-  for part in $PARTS; do echo "PART=$part"; tail -3 "$out/part$part.log"; done
+  for pid in "${pids[@]}"; do wait "$pid"; done
+  [ -s "$claims/failed" ] && status=1
+  for part in $PARTS; do  # pytest's own count
+    count=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' \
+      "$out/part$part.log" | tail -1)
+    echo "PART=$part: ${count:-no pytest summary (stopped by PART_TIMEOUT, or crashed)}"
+  done
+  rm -rf "$claims"
   exit $status
 fi
 "$py" -m te_compile 2>&1 | tee "$out/doctor.txt"
@@ -37,6 +59,10 @@ case "${PART:-all}" in
   2) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
             $g/test_fp8_params_gpu.py) ;;
+  # PART=2 in two halves (about 5 minutes each on an H100), for a queue over several GPUs.
+  2a) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py) ;;
+  2b) files=($g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
+             $g/test_fp8_params_gpu.py) ;;
   # Per-tensor recipes' small GEMMs take the graph path by default: PART=3 runs their
   # cases once more on TE's kernels (graph_fp8=False).
   3) export TE_COMPILE_GRAPH_FP8=0
@@ -47,6 +73,10 @@ case "${PART:-all}" in
   # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
   graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_gpt_blocks_gpu.py) ;;
   stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
+  # PART=stack in parts of at most about 9 minutes each on an H100 (session 21's timings)
+  checkpoint) files=($g/test_checkpoint_gpu.py) ;;
+  loops1) files=($g/test_cudagraph_loops_gpu.py -k whatever_ran_before) ;;
+  loops2) files=($g/test_cudagraph_loops_gpu.py -k transformer_stack) ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \

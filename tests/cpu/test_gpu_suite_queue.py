@@ -1,0 +1,52 @@
+"""scripts/gpu_suite.sh's queue over several GPUs (`PARTS=...`), run on this CPU machine: each
+listed part runs exactly once, on one of the `GPUS` workers, and the summary gives each part's
+pytest count (here every GPU test skips), or says when a part was stopped by PART_TIMEOUT."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine behaviour")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_queue(tmp_path: Path, parts: str, gpus: int, timeout: int = 0):
+    env = {
+        **os.environ,
+        "PARTS": parts,
+        "GPUS": str(gpus),
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "PART_TIMEOUT": str(timeout),
+    }
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_suite.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    return done.returncode, done.stdout, (tmp_path / "queue.log").read_text()
+
+
+def test_each_part_runs_once_on_the_gpu_workers(tmp_path):
+    rc, out, queue = run_queue(tmp_path, "2a loops2 1", gpus=2)
+    assert rc == 0, out
+    starts = re.findall(r"GPU (\d): PART=(\w+) from", queue)
+    assert sorted(part for _, part in starts) == ["1", "2a", "loops2"]
+    assert {gpu for gpu, _ in starts} == {"0", "1"}
+    assert re.search(r"PART=loops2: 6 skipped, 20 deselected", out), out
+    assert re.search(r"PART=2a: \d+ skipped", out), out
+
+
+def test_a_part_stopped_by_the_timeout_says_so(tmp_path):
+    rc, out, _ = run_queue(tmp_path, "2a", gpus=1, timeout=1)
+    assert rc != 0
+    assert "PART=2a: no pytest summary (stopped by PART_TIMEOUT, or crashed)" in out
