@@ -105,7 +105,7 @@ def test_no_reduction_sums_unrounded_gradients(recipe_name):
 
 def _saved_for_backward(rounded: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of what the forward saves for backward, partitioned as inductor partitions
-    (min-cut), for two TransformerLayers with Float8CurrentScaling."""
+    (min-cut), for two causal TransformerLayers (attention_cases) with Float8CurrentScaling."""
     from functorch.compile import min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
     from transformer_engine.common import recipe as R
@@ -136,23 +136,11 @@ def _saved_for_backward(rounded: bool) -> list[tuple[tuple[int, ...], torch.dtyp
             transformer_layer.StoredAsEager = NotRounded
         try:
             import transformer_engine.pytorch as te
+            from attention_cases import LAYER_CASES, layer_input, make_layer
 
             torch.manual_seed(0)
-            layers = torch.nn.Sequential(
-                *[
-                    te.TransformerLayer(
-                        256,
-                        1024,
-                        4,
-                        hidden_dropout=0.0,
-                        attention_dropout=0.0,
-                        params_dtype=torch.bfloat16,
-                        self_attn_mask_type="causal",
-                    )
-                    for _ in range(2)
-                ]
-            ).cuda()
-            x = torch.randn(128, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            layers = torch.nn.Sequential(*[make_layer(LAYER_CASES["causal"]) for _ in range(2)])
+            x = layer_input(LAYER_CASES["causal"])
             recipe = R.Float8CurrentScaling()
 
             def step(x):
