@@ -10,62 +10,50 @@ prints each phase's peak and what stays allocated after it (MiB), on a CUDA GPU.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import os
 import sys
-from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+import models as M  # noqa: E402
+from profile_step import RECIPES  # noqa: E402  (bf16, current, block, delayed)
+from transformer_engine.pytorch import quantization as q  # noqa: E402
+
+import te_compile  # noqa: E402
+
 MIB = 1 << 20
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def models():
-    spec = importlib.util.spec_from_file_location("te_example_models", ROOT / "examples/models.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def phases(checkpoint: str, recipe_name: str, steps: int) -> dict[str, float]:
     """Per phase of the last of `steps` AdamW steps: its peak and what is allocated after it."""
-    from transformer_engine.common import recipe as R
-    from transformer_engine.pytorch import quantization as q
-
-    M = models()
     torch._dynamo.reset()
     q.FP8GlobalStateManager.reset()
     torch.manual_seed(0)
     model = M.Llama(M.LlamaConfig(max_seq_len=128, num_layers=4, checkpoint=checkpoint)).cuda()
-    recipe = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}[recipe_name]()
-    step = torch.compile(M.train_step(model, recipe), fullgraph=True)
+    step = torch.compile(M.train_step(model, RECIPES[recipe_name]()), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batches = M.synthetic_batches(256, 2, 128, steps, seed=0)
     out = {}
-    for i, (tokens, targets) in enumerate(batches):
-        last = i == steps - 1
+
+    def run(name: str, fn, *args):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        out["start"] = torch.cuda.memory_allocated() / MIB
-        loss = step(tokens, targets)
+        result = fn(*args)
         torch.cuda.synchronize()
-        if last:
-            out["forward peak"] = torch.cuda.max_memory_allocated() / MIB
-            out["after forward"] = torch.cuda.memory_allocated() / MIB
-            torch.cuda.reset_peak_memory_stats()
-        loss.backward()
-        torch.cuda.synchronize()
-        if last:
-            out["backward peak"] = torch.cuda.max_memory_allocated() / MIB
-            out["after backward"] = torch.cuda.memory_allocated() / MIB
-            torch.cuda.reset_peak_memory_stats()
+        out[f"{name} peak"] = torch.cuda.max_memory_allocated() / MIB
+        out[f"after {name}"] = torch.cuda.memory_allocated() / MIB
+        return result
+
+    def update():
         opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        if last:
-            out["optimizer peak"] = torch.cuda.max_memory_allocated() / MIB
-    return out
+
+    for tokens, targets in M.synthetic_batches(256, 2, 128, steps, seed=0):
+        out["start"] = torch.cuda.memory_allocated() / MIB
+        loss = run("forward", step, tokens, targets)
+        run("backward", loss.backward)
+        run("optimizer", update)
+    return out  # the last step's: each step overwrites the one before
 
 
 def main() -> None:
@@ -73,8 +61,6 @@ def main() -> None:
     p.add_argument("--recipes", default="current,delayed")
     p.add_argument("--steps", type=int, default=4)
     args = p.parse_args()
-    import te_compile
-
     te_compile.patch()
     rows = []
     for recipe_name in args.recipes.split(","):
