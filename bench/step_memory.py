@@ -14,7 +14,8 @@ peak and what stays allocated after it (MiB). `--live N` also records that step'
 line that allocated it (an inductor buffer, a te_compile op, TE's Python).
 
     python bench/step_memory.py --case checkpoint [--recipes current,delayed] [--steps 4]
-    python bench/step_memory.py --case guide --recipes delayed --live 12
+        [--batch 16 --seq 512]
+    python bench/step_memory.py --case guide --recipes delayed --live 12 [--variants compile,eager]
 """
 
 from __future__ import annotations
@@ -46,10 +47,22 @@ def fresh() -> None:
     torch.manual_seed(0)
 
 
+BATCH, SEQ = 2, 128  # the checkpoint case's batch (--batch, --seq)
+
+
 def checkpoint_case(recipe_name: str, variant: str):
-    """(run(name, phase) -> None per step, steps' data) for the Llama model; variant none|te."""
-    model = M.Llama(M.LlamaConfig(max_seq_len=128, num_layers=4, checkpoint=variant)).cuda()
-    step = torch.compile(M.train_step(model, RECIPES[recipe_name]()), fullgraph=True)
+    """(run(name, phase) -> None per step, steps' data) for the Llama model, with layers
+    checkpointed ("te") or not ("none"): the whole step compiled (variant "none", "te"), each
+    layer compiled on its own ("blocks-none", "blocks-te"; torchtitan's order) or eager TE
+    ("eager-none", "eager-te")."""
+    how, _, checkpoint = variant.rpartition("-")
+    model = M.Llama(M.LlamaConfig(max_seq_len=SEQ, num_layers=4, checkpoint=checkpoint)).cuda()
+    step = M.train_step(model, RECIPES[recipe_name]())
+    if how == "":
+        step = torch.compile(step, fullgraph=True)
+    elif how == "blocks":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def one_step(run, tokens, targets):
@@ -57,7 +70,7 @@ def checkpoint_case(recipe_name: str, variant: str):
         run("backward", loss.backward)
         run("optimizer", lambda: (opt.step(), opt.zero_grad(set_to_none=True)))
 
-    return one_step, lambda steps: M.synthetic_batches(256, 2, 128, steps, seed=0)
+    return one_step, lambda steps: M.synthetic_batches(256, BATCH, SEQ, steps, seed=0)
 
 
 def guide_case(recipe_name: str, variant: str):
@@ -86,7 +99,10 @@ def guide_case(recipe_name: str, variant: str):
     return one_step, lambda steps: [(None, None)] * steps
 
 
-CASES = {"checkpoint": (checkpoint_case, ("none", "te")), "guide": (guide_case, ("eager", "compile"))}
+CASES = {
+    "checkpoint": (checkpoint_case, ("none", "te")),
+    "guide": (guide_case, ("eager", "compile")),
+}
 
 
 def where(frames: list[dict]) -> str:
@@ -151,11 +167,17 @@ def main() -> None:
     p.add_argument("--recipes", default="current,delayed")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--live", type=int, default=0, help="list the N largest alive at the peak")
+    p.add_argument("--variants", help="comma-separated, in this order (default: both)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=128)
     args = p.parse_args()
+    global BATCH, SEQ
+    BATCH, SEQ = args.batch, args.seq
+    variants = args.variants.split(",") if args.variants else CASES[args.case][1]
     te_compile.patch()
     rows = []
     for recipe_name in args.recipes.split(","):
-        for variant in CASES[args.case][1]:
+        for variant in variants:
             values, sites = phases(args.case, recipe_name, variant, args.steps, args.live)
             rows.append((recipe_name, variant, values))
             for mib, site in sites:
@@ -164,7 +186,9 @@ def main() -> None:
     print("| recipe | variant | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for recipe_name, variant, values in rows:
-        print(f"| {recipe_name} | {variant} | " + " | ".join(f"{values[k]:.2f}" for k in keys) + " |")
+        print(
+            f"| {recipe_name} | {variant} | " + " | ".join(f"{values[k]:.2f}" for k in keys) + " |"
+        )
 
 
 if __name__ == "__main__":

@@ -269,6 +269,9 @@ def layernorm_mlp_bwd(
                 fc2_dgrad, fc1_out, cfg, m.activation, m.params, state=state
             )
             fc1_gemm_bias = fc1_bias
+        # Drop each large intermediate at its last use, as eager TE does: a name held to the
+        # op's return is alive at the norm backward, the step's peak at TE's guide shape.
+        del fc2_dgrad
         fc1_dgrad, fc1_wgrad, gemm_dbias = gemm_backward(
             dact,
             FC1,
@@ -284,14 +287,17 @@ def layernorm_mlp_bwd(
         if fc1_dbias is None and fc1_bias is not None and needs_fc1_dbias:
             # No FP8 and no FC1 wgrad: TE sums dact (its LayerNormMLP backward).
             fc1_dbias = dact.sum(dim=0)
+        del dact
         if needs_norm_grads:
             dz = fc1_dgrad
+            del fc1_dgrad
             if grad_ln_out is not None:  # return_layernorm_output: both paths' gradients
                 dz = dz + grad_ln_out.reshape(dz.shape)
             x = gemm_layer.cast(inp.reshape(-1, hidden), out_dtype)
             gamma = gemm_layer.cast(ln_weight, out_dtype)
             mu = s["mu"][0] if s["mu"] else None
             dx, dgamma, dbeta = tex_norm_bwd(dz, x, mu, s["rsigma"][0], gamma, n)
+            del dz
             dx = dx.view(grad_out.shape)
     gemm_layer.update_backward_state(cfg, bwd_state)
     return envelope.results(

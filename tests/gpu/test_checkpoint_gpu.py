@@ -10,8 +10,10 @@ moved: FP8 really ran) are bit-identical to the same model compiled without chec
 the losses within 2.5e-2 of eager TE's te.distributed.checkpoint run (measured on an H100: 1.3e-2 at most) (the whole model's inductor
 kernels round differently from eager's; see test_cudagraph_loops_gpu.py). A recompute that
 quantized with the updated DelayedScaling scales, as plain torch.utils.checkpoint does, shows
-as a difference (checked too). Peak memory: the checkpointed compiled model below the same
-model compiled without checkpointing.
+as a difference (checked too). Peak memory, at a larger batch and sequence, with each layer
+compiled on its own: the checkpointed model's step peak well below the plain model's and within
+2% of eager TE's checkpointed step; compiled whole, it holds under a quarter of the plain
+model's activations between forward and backward.
 
 Run: `python -m pytest tests/gpu/test_checkpoint_gpu.py -m gpu`.
 """
@@ -128,15 +130,74 @@ def test_plain_torch_checkpoint_with_delayed_scaling_differs(patched, eager_roun
     assert not torch.equal(losses, ref_losses)
 
 
-@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
-def test_checkpointing_lowers_peak_memory(recipe_name, patched):
-    skip_unless_supported(recipe_name)
-    recipe = recipe_for(recipe_name)
-    _, plain = train(build("none"), recipe, "default")
+# Peak memory at a shape where activations matter: at BATCH x SEQ the model's 3.3 M parameters,
+# their gradients and AdamW's state dwarf its activations (about 10 MiB), and the two models'
+# step peaks differed by 0.25 MiB either way (session 22, H100): the old test passed or failed
+# on inductor's buffer choices. At this shape (H100, current scaling, MiB above the step's start;
+# bench/step_memory.py): eager TE 397 plain, 234 checkpointed; each layer compiled on its own 384
+# and 233; the whole step compiled 388 and 392, because torch 2.11's partitioner puts the whole
+# model's recompute at the start of the compiled backward (docs/training.md).
+MEMORY_BATCH, MEMORY_SEQ = 16, 512
+
+
+def memory_profile(checkpoint: str, recipe, where: str) -> tuple[int, int]:
+    """(bytes alive between forward and backward, peak bytes of the whole step), both above
+    what is allocated before the step (weights, optimizer state), at the third AdamW step;
+    `where`: "blocks" (each layer compiled), "whole" (the step compiled) or "eager"."""
+    torch.manual_seed(0)
+    config = M.LlamaConfig(max_seq_len=MEMORY_SEQ, num_layers=LAYERS, checkpoint=checkpoint)
+    model = M.Llama(config).cuda()
+    step = M.train_step(model, recipe)
+    if where == "whole":
+        step = torch.compile(step, fullgraph=True)
+    elif where == "blocks":
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer, fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    for tokens, targets in M.synthetic_batches(256, MEMORY_BATCH, MEMORY_SEQ, 3, seed=0):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        loss = step(tokens, targets)
+        held = torch.cuda.memory_allocated() - base
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
     FGS.reset()
     torch._dynamo.reset()
-    _, checkpointed = train(build("te"), recipe, "default")
-    assert checkpointed < plain, (checkpointed, plain)
+    return held, torch.cuda.max_memory_allocated() - base
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_checkpointing_lowers_peak_memory(recipe_name, patched):
+    """Each checkpointed layer compiled on its own (the order docs/training.md gives): the
+    step's peak below the same layers compiled without checkpointing, and within 2% of eager
+    TE's te.distributed.checkpoint; the whole step compiled: (almost) nothing alive between
+    forward and backward."""
+    skip_unless_supported(recipe_name)
+    recipe = recipe_for(recipe_name)
+    plain_held, plain_peak = memory_profile("none", recipe, "blocks")
+    held, peak = memory_profile("te", recipe, "blocks")
+    _, eager_peak = memory_profile("te", recipe, "eager")
+    whole_plain_held, _ = memory_profile("none", recipe, "whole")
+    whole_held, _ = memory_profile("te", recipe, "whole")
+    mib = {
+        name: round(v / 2**20, 2)
+        for name, v in dict(
+            plain_held=plain_held,
+            held=held,
+            plain_peak=plain_peak,
+            peak=peak,
+            eager_peak=eager_peak,
+            whole_plain_held=whole_plain_held,
+            whole_held=whole_held,
+        ).items()
+    }
+    assert held < plain_held / 4, mib
+    assert peak < 0.75 * plain_peak, mib
+    assert peak <= 1.02 * eager_peak, mib
+    assert whole_held < whole_plain_held / 4, mib
 
 
 @pytest.mark.parametrize("recipe_name", RECIPES)
