@@ -13,7 +13,8 @@ numerics. A training step: zero grads, forward, backward with a fixed random gra
 
 Per cell (fresh model, dynamo and TE state): the first call in seconds (the compile, in compiled
 modes); after warm-up, the median ms per step (CUDA events around each of N steps issued back to
-back), the median CPU ms to issue one step (GPU idle when it starts), peak GPU memory, graphs
+back), the median CPU ms to issue one step (GPU idle when it starts), peak GPU memory (over the
+warm-up and measured steps: reduce-overhead takes its memory while recording), graphs
 compiled and recompiles. A failing cell keeps its error and the suite goes on, unless it left
 CUDA unusable (a failed graph capture): then the suite stops there and reports what it
 measured. The JSON is rewritten after every cell, so a run cut short keeps what it measured.
@@ -166,8 +167,13 @@ def measure(step, model, x, warmup: int, steps: int) -> dict:
     step()
     torch.cuda.synchronize()
     compile_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):  # in reduce-overhead this covers CUDA-graph warm-up and capture
         step()
+    torch.cuda.synchronize()
+    # A replayed CUDA graph allocates nothing: its memory is taken while it is recorded, so
+    # the peak counts the warm-up steps too (the same steps as measured, in the other modes).
+    warmup_peak = torch.cuda.max_memory_allocated()
     model.zero_grad(set_to_none=True)  # "before the step": weights and state, no old grads
     x.grad = None
     torch.cuda.synchronize()
@@ -179,7 +185,7 @@ def measure(step, model, x, warmup: int, steps: int) -> dict:
         step()
         end.record()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    peak = max(warmup_peak, torch.cuda.max_memory_allocated())
     issue = []
     for _ in range(steps):  # GPU idle at the start: the CPU cost of issuing one step alone
         torch.cuda.synchronize()
