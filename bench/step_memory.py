@@ -99,9 +99,36 @@ def guide_case(recipe_name: str, variant: str):
     return one_step, lambda steps: [(None, None)] * steps
 
 
+def linear_case(recipe_name: str, variant: str):
+    """te.Linear 2048 -> 8192 on 8,192 tokens (tests/gpu/test_step_memory_gpu.py's size), eager
+    TE ("eager") or compiled in default mode ("compile")."""
+    import transformer_engine.pytorch as te
+
+    model = te.Linear(2048, 8192, params_dtype=torch.bfloat16)
+    recipe = RECIPES[recipe_name]()
+    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+
+    def forward(inp):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            return model(inp)
+
+    if variant == "compile":
+        forward = torch.compile(forward, fullgraph=True)
+
+    def one_step(run, _tokens, _targets):
+        model.zero_grad(set_to_none=True)
+        x.grad = None
+        out = run("forward", forward, x)
+        run("backward", out.backward, grad)
+
+    return one_step, lambda steps: [(None, None)] * steps
+
+
 CASES = {
     "checkpoint": (checkpoint_case, ("none", "te")),
     "guide": (guide_case, ("eager", "compile")),
+    "linear": (linear_case, ("eager", "compile")),
 }
 
 

@@ -58,9 +58,9 @@ case "${PART:-all}" in
             $g/test_norm_gpu.py $g/test_tf32_capture_gpu.py $g/test_aten_gemm_gpu.py) ;;
   2) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
-            $g/test_fp8_params_gpu.py) ;;
+            $g/test_fp8_params_gpu.py $g/test_step_memory_gpu.py) ;;
   # PART=2 in two halves (about 5 minutes each on an H100), for a queue over several GPUs.
-  2a) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py) ;;
+  2a) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py $g/test_step_memory_gpu.py) ;;
   2b) files=($g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
              $g/test_fp8_params_gpu.py) ;;
   # Per-tensor recipes' small GEMMs take the graph path by default: PART=3 runs their

@@ -344,8 +344,11 @@ def quantize_grad_output(
         columnwise = has_bias or needs_wgrad
     if not has_bias:
         return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), None
-    if cfg.kind == "block":  # TE runs dbias unfused for block scaling
-        return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), g.sum(dim=0)
+    if cfg.kind == "block":
+        # TE sums dbias unfused for block scaling, before the cast: the sum's scratch (132 MiB
+        # for a [8192, 8192] gradient on an H100) is gone before the two FP8 halves exist.
+        dbias = g.sum(dim=0)
+        return quantize(g, cfg, "grad", True, columnwise, state, gemm=gemm), dbias
     # As grad_output_preprocess: bgrad_quantize fuses dbias into the cast for per-tensor FP8
     # (SM >= 10.0 or both usages) and MXFP8 (nvte_quantize_dbias); for NVFP4 it sums in high
     # precision, then quantizes (TE's bias.cpp).
