@@ -1,12 +1,14 @@
 """Where a training step's memory goes, phase by phase, and what is alive at its peak.
 
-Two cases, on a CUDA GPU:
+Three cases, on a CUDA GPU:
 
-- `checkpoint`: the 4-layer Llama-style model of tests/gpu/test_checkpoint_gpu.py compiled
-  whole in default mode, without and with `te.distributed.checkpoint` per layer (the peak-memory
-  test that failed in session 21 compares their peaks over whole steps);
+- `checkpoint`: the 4-layer Llama-style model of tests/gpu/test_checkpoint_gpu.py without and
+  with `te.distributed.checkpoint` per layer, its whole step compiled in default mode ("none",
+  "te"), each layer compiled on its own ("blocks-none", "blocks-te") or eager TE ("eager-none",
+  "eager-te"); docs/training.md has session 22's table;
 - `guide`: TE's getting-started layer (bench/suite.py's `4096x2048x1x8`, heads of 128), eager
-  TE against te-compile's default mode (the issue-20 target "peak memory <= eager TE").
+  TE against te-compile's default mode (the issue-20 target "peak memory <= eager TE");
+- `linear`: one te.Linear at tests/gpu/test_step_memory_gpu.py's size, eager against compiled.
 
 Per phase (forward, backward, optimizer where there is one) of the last of `--steps` steps: its
 peak and what stays allocated after it (MiB). `--live N` also records that step's allocations
@@ -73,15 +75,14 @@ def checkpoint_case(recipe_name: str, variant: str):
     return one_step, lambda steps: M.synthetic_batches(256, BATCH, SEQ, steps, seed=0)
 
 
-def guide_case(recipe_name: str, variant: str):
-    """The guide's layer, eager TE (variant "eager") or compiled in default mode ("compile")."""
+def module_case(model, recipe_name: str, variant: str, x_shape, grad_shape):
+    """One TE module's training step on a random input: eager TE ("eager") or compiled in
+    default mode ("compile")."""
     import transformer_engine.pytorch as te
 
-    stacks.HEAD_DIM = 128
-    model = stacks.build("te-transformer", 4096, 1).cuda()
     recipe = RECIPES[recipe_name]()
-    x = torch.randn(2048, 8, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn_like(x)
+    x = torch.randn(*x_shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(*grad_shape, device="cuda", dtype=torch.bfloat16)
 
     def forward(inp):
         with te.autocast(enabled=recipe is not None, recipe=recipe):
@@ -97,36 +98,28 @@ def guide_case(recipe_name: str, variant: str):
         run("backward", out.backward, grad)
 
     return one_step, lambda steps: [(None, None)] * steps
+
+
+def guide_case(recipe_name: str, variant: str):
+    """TE's guide layer (heads of 128, [S, B, H] = [2048, 8, 4096])."""
+    stacks.HEAD_DIM = 128
+    model = stacks.build("te-transformer", 4096, 1).cuda()
+    return module_case(model, recipe_name, variant, (2048, 8, 4096), (2048, 8, 4096))
 
 
 def linear_case(recipe_name: str, variant: str):
-    """te.Linear 2048 -> 8192 on 8,192 tokens (tests/gpu/test_step_memory_gpu.py's size), eager
-    TE ("eager") or compiled in default mode ("compile")."""
+    """te.Linear 2048 -> 8192 on 8,192 tokens (tests/gpu/test_step_memory_gpu.py's size)."""
     import transformer_engine.pytorch as te
 
     model = te.Linear(2048, 8192, params_dtype=torch.bfloat16)
-    recipe = RECIPES[recipe_name]()
-    x = torch.randn(8192, 2048, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-
-    def forward(inp):
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            return model(inp)
-
-    if variant == "compile":
-        forward = torch.compile(forward, fullgraph=True)
-
-    def one_step(run, _tokens, _targets):
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        out = run("forward", forward, x)
-        run("backward", out.backward, grad)
-
-    return one_step, lambda steps: [(None, None)] * steps
+    return module_case(model, recipe_name, variant, (8192, 2048), (8192, 8192))
 
 
 CASES = {
-    "checkpoint": (checkpoint_case, ("none", "te")),
+    "checkpoint": (
+        checkpoint_case,
+        ("none", "te", "blocks-none", "blocks-te", "eager-none", "eager-te"),
+    ),
     "guide": (guide_case, ("eager", "compile")),
     "linear": (linear_case, ("eager", "compile")),
 }
@@ -194,7 +187,7 @@ def main() -> None:
     p.add_argument("--recipes", default="current,delayed")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--live", type=int, default=0, help="list the N largest alive at the peak")
-    p.add_argument("--variants", help="comma-separated, in this order (default: both)")
+    p.add_argument("--variants", help="comma-separated, in this order (default: the case's all)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=128)
     args = p.parse_args()
