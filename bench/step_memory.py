@@ -35,18 +35,12 @@ sys.path.insert(0, HERE)
 import models as M  # noqa: E402
 import stacks  # noqa: E402
 from profile_step import RECIPES  # noqa: E402  (bf16, current, block, delayed)
-from transformer_engine.pytorch import quantization as q  # noqa: E402
+from suite import reset_state  # noqa: E402
 
 import te_compile  # noqa: E402
 
 MIB = 1 << 20
 OURS = ("te_compile", "transformer_engine", "torchinductor")
-
-
-def fresh() -> None:
-    torch._dynamo.reset()
-    q.FP8GlobalStateManager.reset()
-    torch.manual_seed(0)
 
 
 BATCH, SEQ = 2, 128  # the checkpoint case's batch (--batch, --seq)
@@ -154,7 +148,8 @@ def alive_at_peak(snapshot: dict, top: int) -> list[tuple[float, str]]:
 
 
 def phases(case: str, recipe_name: str, variant: str, steps: int, live: int):
-    fresh()
+    reset_state()  # dynamo's and TE's state, and the cached blocks of the case before
+    torch.manual_seed(0)
     one_step, data = CASES[case][0](recipe_name, variant)
     out: dict[str, float] = {}
 

@@ -170,7 +170,6 @@ def measure(step, model, x, warmup: int, steps: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):  # in reduce-overhead this covers CUDA-graph warm-up and capture
         step()
-    torch.cuda.synchronize()
     # A replayed CUDA graph allocates nothing: its memory is taken while it is recorded, so
     # the peak counts the warm-up steps too (the same steps as measured, in the other modes).
     warmup_peak = torch.cuda.max_memory_allocated()
