@@ -104,19 +104,19 @@ class _MLPFunction(torch.autograd.Function):
         cfg, dtype, acc = call.cfg, call.out_dtype, call.cfg.split_acc
         if fwd_scale is None:
             xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
-            w1q, w1_si = linear.quantize_stored(w1, cfg, _WEIGHT)
+            w1q, w1_si = linear.quantize_weight(w1, cfg)
             fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
             aq, a_si = _quantized_gelu(fc1_out, cfg)
-            w2q, w2_si = linear.quantize_stored(w2, cfg, _WEIGHT)
+            w2q, w2_si = linear.quantize_weight(w2, cfg)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             value, stored = (x, True) if x_value is None else (x_value, False)
             scales = linear.Scales.of(fwd_scale)
             xq, x_si, x_amax = linear.quantize_delayed(value, scales, cfg, _INPUT, stored)
-            w1q, w1_si, w1_amax = linear.quantize_delayed(w1, scales, cfg, _WEIGHT)
+            w1q, w1_si, w1_amax = linear.quantize_weight(w1, cfg, scales)
             fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
             aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
-            w2q, w2_si, w2_amax = linear.quantize_delayed(w2, scales, cfg, _WEIGHT, gemm=_FC2)
+            w2q, w2_si, w2_amax = linear.quantize_weight(w2, cfg, scales, _FC2)
             slots = {  # (the GEMM output slots record nothing)
                 delayed_slot("input", _FC1): x_amax,
                 delayed_slot("weight", _FC1): w1_amax,
