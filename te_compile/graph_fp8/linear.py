@@ -85,10 +85,11 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     return ""
 
 
-def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int):
+def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True):
     """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
-    the quantizer of `role` (an index into ROLES)."""
-    t = quantize.stored_bf16(t)
+    the quantizer of `role` (an index into ROLES). `stored`: as quantize_delayed's (False: `t`
+    needs no re-rounding)."""
+    t = quantize.stored_bf16(t) if stored else t
     return quantize.quantize_current(t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
 
 
@@ -100,7 +101,7 @@ def quantize_weight(w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = N
     28 against 38 us for current scaling's amax and cast)."""
     role = ROLES.index("weight")
     if scales is None:
-        return quantize.quantize_current(w, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
+        return quantize_stored(w, cfg, role, stored=False)
     return quantize_delayed(w, scales, cfg, role, stored=False, gemm=gemm)
 
 
