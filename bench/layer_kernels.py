@@ -24,13 +24,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import profile_step  # noqa: E402
 import stacks  # noqa: E402
-import transformer_engine.pytorch as te  # noqa: E402
-from transformer_engine.common import recipe as R  # noqa: E402
 
 import te_compile  # noqa: E402
-
-RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}
 
 KINDS = (  # (kind, predicate on the kernel's name), first match wins
     ("GEMM", lambda n: n.startswith("nvjet") or "gemm" in n.lower()),
@@ -49,7 +46,7 @@ def kind(name: str) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--recipe", default="current", choices=list(RECIPES))
+    p.add_argument("--recipe", default="current", choices=["current", "delayed"])
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--batch", type=int, default=2)
@@ -62,24 +59,12 @@ def main() -> None:
     if args.off:
         te_compile.configure(**{name: False for name in args.off.split(",")})
     stacks.HEAD_DIM = args.head_dim
-    recipe = RECIPES[args.recipe]()
     torch.manual_seed(0)
     model = stacks.build("te-transformer", args.hidden, 1)
     x = torch.randn(args.tokens, args.batch, args.hidden, device="cuda", dtype=torch.bfloat16)
     x.requires_grad_(True)
-    grad = torch.randn_like(x)
-
-    def fwd(inp):
-        with te.autocast(recipe=recipe):
-            return model(inp)
-
-    compiled = torch.compile(fwd, fullgraph=True)
-
-    def step():
-        model.zero_grad(set_to_none=True)
-        x.grad = None
-        compiled(x).backward(grad)
-
+    recipe = profile_step.RECIPES[args.recipe]()
+    step = profile_step.make_train_step(model, recipe, "compile", x, torch.randn_like(x))
     for _ in range(4):
         step()
     torch.cuda.synchronize()
