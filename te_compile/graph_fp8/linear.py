@@ -89,8 +89,9 @@ def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True):
     """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
     the quantizer of `role` (an index into ROLES). `stored`: as quantize_delayed's (False: `t`
     needs no re-rounding)."""
-    t = quantize.stored_bf16(t) if stored else t
-    return quantize.quantize_current(t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role])
+    return quantize.quantize_current(
+        t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role], stored
+    )
 
 
 def quantize_weight(w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = None, gemm=0):

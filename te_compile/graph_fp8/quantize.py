@@ -67,10 +67,17 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
 
 
 def quantize_current(
-    x: torch.Tensor, fp8: str, epsilon: float, pow2: bool
+    x: torch.Tensor, fp8: str, epsilon: float, pow2: bool, stored: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float8CurrentScaling: (FP8 data, scale_inv [1]) of x with a scale from x's own amax."""
-    scale = scale_from_amax(amax(x), fp8, epsilon, pow2)
+    """Float8CurrentScaling: (FP8 data, scale_inv [1]) of x with a scale from x's own amax.
+    `stored`: quantize stored_bf16(x), the value TE reads after the producer's store. Its amax
+    is taken of x and rounded once: rounding to nearest is monotone and odd, so
+    max |round(v)| = round(max |v|) (NaNs, zeroed first, are below any amax either way), and
+    the amax pass over the tensor does no per-element rounding."""
+    x_amax = amax(x)
+    if stored:
+        x_amax, x = stored_bf16(x_amax), stored_bf16(x)
+    scale = scale_from_amax(x_amax, fp8, epsilon, pow2)
     return cast(x, scale, fp8), reciprocal(scale)
 
 

@@ -106,6 +106,48 @@ def test_stored_rounds_float32_as_a_bfloat16_store():
     assert torch.equal(_stored(want.to(torch.bfloat16)), want)  # bfloat16 in: unchanged
 
 
+def _rounding_adversaries() -> torch.Tensor:
+    """float32 values where a bfloat16 store rounds: ties both ways, carries into the
+    exponent, values that round to infinity, denormals, NaN and infinities."""
+    torch.manual_seed(0)
+    wide = torch.randn(20000) * 10.0 ** torch.randint(-40, 39, (20000,))
+    bits = torch.randint(-(2**31), 2**31 - 1, (20000,), dtype=torch.int32)
+    ties = ((bits & -65536) | 0x8000).view(torch.float32)  # exactly halfway
+    specials = [3.3895314e38, 3.39e38, 3.4e38, 1e-40, -1e-45, 0.0, -0.0, float("inf")]
+    x = torch.cat([wide, ties, torch.tensor(specials)])
+    return torch.where(torch.isnan(x), torch.zeros_like(x), x)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("extra", ["none", "nan", "inf", "all_nan", "one_tie"])
+def test_stored_amax_is_the_rounded_amax(extra, compiled):
+    """quantize_current(x, stored=True) rounds the amax once instead of every element: the same
+    scale and FP8 data as quantizing the rounded tensor (tested on the GPU against TE)."""
+    x = _rounding_adversaries()
+    if extra == "nan":
+        x[7] = float("nan")
+    elif extra == "inf":
+        x[7] = -float("inf")
+    elif extra == "all_nan":
+        x = torch.full((64,), float("nan"))
+    elif extra == "one_tie":  # the amax itself a tie that rounds up into the next binade
+        x = torch.tensor([1.0, -(2.0 - 2.0**-8 - 2.0**-9), 0.5])
+
+    def rounded_first(x, fp8, eps, pow2):
+        return quantize.quantize_current(quantize.stored_bf16(x), fp8, eps, pow2)
+
+    fn, want_fn = quantize.quantize_current, rounded_first
+    if compiled:  # both compiled: a NaN's sign after the cast is the backend's own
+        torch._dynamo.reset()
+        fn, want_fn = torch.compile(fn, fullgraph=True), torch.compile(want_fn, fullgraph=True)
+    for fp8 in ("e4m3", "e5m2"):
+        for eps, pow2 in ((0.0, False), (1e-3, True)):
+            data, scale_inv = fn(x, fp8, eps, pow2, True)
+            want_data, want_si = want_fn(x, fp8, eps, pow2)
+            assert torch.equal(scale_inv.view(torch.int32), want_si.view(torch.int32))
+            assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
+
+
 # ---- te.Linear on the graph path, joint graph on meta with a pretend Hopper --------------------
 
 

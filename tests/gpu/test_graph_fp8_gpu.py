@@ -112,6 +112,23 @@ def test_quantize_current_matches_te(case, dtype, fp8, eps, pow2, compiled):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+@pytest.mark.parametrize("fp8,eps,pow2", [("e4m3", 0.0, False), ("e5m2", 1e-3, True)])
+@pytest.mark.parametrize("case", CASES)
+def test_quantize_current_stored_matches_te(case, fp8, eps, pow2, compiled):
+    """A fused producer's float32 value (`stored=True`, the amax rounded once instead of every
+    element) against TE's quantizer of the bfloat16 tensor that producer stores."""
+    x = _case(case, torch.float32) * 1.001  # float32 values off the bfloat16 grid
+    ref_data, ref_scale_inv, _ = _te_quantize(x.to(torch.bfloat16), fp8, eps, pow2)
+    fn = quantize.quantize_current
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    data, scale_inv = fn(x, fp8, eps, pow2, True)
+    assert torch.equal(_bits(scale_inv), _bits(ref_scale_inv))
+    assert torch.equal(_bits(data), _bits(ref_data))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
 @pytest.mark.parametrize("scale", [1.0, 0.37, 3.0e38, 1e-30])
 @pytest.mark.parametrize("fp8", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("case", CASES)
