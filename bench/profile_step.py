@@ -207,6 +207,7 @@ def main() -> None:
     p.add_argument("--inductor", default="", help="torch.compile options, e.g. combo_kernels=1")
     p.add_argument("--head-dim", type=int, default=stacks.HEAD_DIM)
     args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     stacks.HEAD_DIM = args.head_dim
     te_compile.patch()
     off = [name for name in args.off.split(",") if name]
