@@ -13,11 +13,20 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # PARTS="1 2a 2b ..." (on a machine of several GPUs): the listed parts run as a queue, one pytest
 # process per GPU: each GPU takes the next part not yet taken when its last one ends (list the
 # longest first). Logs in $OUT/part<N>/ and $OUT/part<N>.log; no benchmarks. GPUS=4 overrides
-# the count (default: nvidia-smi -L). PART_TIMEOUT=S stops a part after S seconds (timeout(1)),
-# so a lent machine's call ends with every finished part's report on disk.
+# the count (default: nvidia-smi -L). PER_GPU=2 runs two parts side by side on each GPU (on a
+# one-GPU machine: PARTS="graph 1" PER_GPU=2). PART_TIMEOUT=S stops a part after S seconds
+# (timeout(1)), so a lent machine's call ends with every finished part's report on disk; a
+# stopped part's summary counts pytest's progress characters up to the stop.
+progress_of() {  # pytest's -q progress lines in log $1, as counts
+  grep -E '^[.sFExX]+( +\[ *[0-9]+%\])?$' "$1" | tr -cd '.sFExX' | fold -w1 | LC_ALL=C sort | uniq -c |
+    awk 'BEGIN { n["."]="passed"; n["s"]="skipped"; n["F"]="failed"; n["E"]="errors";
+                 n["x"]="xfailed"; n["X"]="xpassed" }
+         { printf "%s%d %s", (NR > 1 ? ", " : ""), $1, n[$2] }'
+}
 if [ -n "${PARTS:-}" ]; then
   gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   [ "$gpus" -ge 1 ] || gpus=1
+  per_gpu=${PER_GPU:-1}
   claims=$(mktemp -d) status=0 pids=()
   worker() {  # $1: the GPU, then pytest's arguments; claims a part by creating its marker
     local gpu=$1     # (mkdir is atomic)
@@ -31,8 +40,8 @@ if [ -n "${PARTS:-}" ]; then
       echo "GPU $gpu: PART=$part done $(date +%T)" >>"$out/queue.log"
     done
   }
-  for ((gpu = 0; gpu < gpus; gpu++)); do
-    worker "$gpu" "$@" &
+  for ((w = 0; w < gpus * per_gpu; w++)); do
+    worker "$((w / per_gpu))" "$@" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
@@ -40,7 +49,12 @@ if [ -n "${PARTS:-}" ]; then
   for part in $PARTS; do  # pytest's own count
     count=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' \
       "$out/part$part.log" | tail -1)
-    echo "PART=$part: ${count:-no pytest summary (stopped by PART_TIMEOUT, or crashed)}"
+    if [ -z "$count" ]; then
+      count="no pytest summary (stopped by PART_TIMEOUT, or crashed)"
+      progress=$(progress_of "$out/part$part.log")
+      [ -n "$progress" ] && count="$count; progress before the stop: $progress"
+    fi
+    echo "PART=$part: $count"
   done
   rm -rf "$claims"
   exit $status

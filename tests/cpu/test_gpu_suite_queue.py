@@ -50,3 +50,33 @@ def test_a_part_stopped_by_the_timeout_says_so(tmp_path):
     rc, out, _ = run_queue(tmp_path, "2a", gpus=1, timeout=1)
     assert rc != 0
     assert "PART=2a: no pytest summary (stopped by PART_TIMEOUT, or crashed)" in out
+
+
+def test_two_parts_side_by_side_on_one_gpu(tmp_path, monkeypatch):
+    monkeypatch.setenv("PER_GPU", "2")
+    rc, out, queue = run_queue(tmp_path, "loops2 2a", gpus=1)
+    assert rc == 0, out
+    events = re.findall(r"GPU (\d): PART=(\w+) (from|done)", queue)
+    assert {gpu for gpu, _, _ in events} == {"0"}
+    assert [kind for _, _, kind in events][:2] == ["from", "from"], queue  # both ran at once
+    assert re.search(r"PART=loops2: 6 skipped, 20 deselected", out), out
+
+
+def test_a_stopped_part_reports_its_progress(tmp_path):
+    """A part cut by PART_TIMEOUT: its summary counts the progress pytest printed before."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        '[ "$2" = pytest ] || exit 0\n'
+        "printf 'collected\\n........ss [ 40%%]\\n..F.x'\n"
+        "sleep 60\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PARTS": "2a", "GPUS": "1", "OUT": str(tmp_path / "out")}
+    env.update(PYTHON=str(fake), PART_TIMEOUT="3")
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_suite.sh")], capture_output=True, text=True, env=env
+    )
+    assert done.returncode != 0
+    want = "progress before the stop: 11 passed, 1 failed, 2 skipped, 1 xfailed"
+    assert want in done.stdout, done.stdout
