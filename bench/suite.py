@@ -63,6 +63,7 @@ EXTRA_RECIPES = (
     *("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls"),
     *("current-tekernels", "delayed-tekernels"),
     "current-graphweights",
+    "guide",  # DelayedScaling as TE's getting-started guide sets it (make_recipe)
 )
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show
 # TE stacks compared against peers built on the same block (their ms / ours in the ratios).
@@ -118,6 +119,11 @@ def make_recipe(name: str):
         "current": (R.Float8CurrentScaling, q.check_fp8_support),
         "block": (R.Float8BlockScaling, q.check_fp8_block_scaling_support),
         "delayed": (R.DelayedScaling, q.check_fp8_support),
+        # TE's getting-started guide: E4M3 forward, E5M2 backward, 16 steps of history, "max".
+        "guide": (
+            lambda: R.DelayedScaling(R.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+            q.check_fp8_support,
+        ),
     }[name]
     ok, why = check()
     return factory(), None if ok else why
