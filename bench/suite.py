@@ -121,7 +121,9 @@ def make_recipe(name: str):
         "delayed": (R.DelayedScaling, q.check_fp8_support),
         # TE's getting-started guide: E4M3 forward, E5M2 backward, 16 steps of history, "max".
         "guide": (
-            lambda: R.DelayedScaling(R.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+            lambda: R.DelayedScaling(
+                fp8_format=R.Format.HYBRID, amax_history_len=16, amax_compute_algo="max"
+            ),
             q.check_fp8_support,
         ),
     }[name]
