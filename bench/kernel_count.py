@@ -1,17 +1,22 @@
 """Kernel launches inductor generates for one compiled fwd+bwd step, counted without a GPU.
 
-    python bench/kernel_count.py [--recipes current,delayed] [--hidden 1024] [--tokens 512]
+    python bench/kernel_count.py [--recipes current,delayed,block,bf16,torch] [--hidden 1024]
+        [--tokens 512]
 
-One te.TransformerLayer (causal, heads of 64) is traced under te_compile.simulate_gpu("hopper")
+One te.TransformerLayer (causal, heads of 64; "bf16": no FP8; "torch": bench/stacks.py's plain
+PyTorch block of the same shape) is traced under te_compile.simulate_gpu("hopper")
 and each graph compiled by inductor for the simulated GPU up to its generated code
 (te_compile.tools.check_inductor; nothing runs). Per graph it prints the Triton kernels
 launched (distinct names; inductor's benchmark mode, on here, names repeated kernels apart), the
 launches in the wrapper (a kernel launched twice counts twice), the megabytes those launches
 read and write by inductor's own estimate (`kernel_num_gb`; over the GPU's memory bandwidth, a
 floor on their GPU time: 3.35 TB/s on an H100 SXM), the aten scaled GEMMs and the te_compile
-ops called. Each launch costs CPU in default mode and a few microseconds of GPU at small
-shapes, so this is the CPU-side number to watch when the graph path's code changes (the GPU's
-count: bench/profile_step.py); the megabytes are the GPU-bound shapes' number.
+ops called, and the graph's tensor inputs and outputs (the forward's outputs are what it saves
+for backward plus the layer's output). Each launch costs CPU in default mode and a few
+microseconds of GPU at small shapes, so this is the CPU-side number to watch when the graph
+path's code changes (the GPU's count: bench/profile_step.py); the megabytes are the GPU-bound
+shapes' number; every input and output is handled in Python per call by AOT autograd's wrappers
+and, under CUDA graphs, by cudagraph trees.
 """
 
 from __future__ import annotations
@@ -26,13 +31,18 @@ from torch._inductor import config as inductor_config
 
 warnings.filterwarnings("ignore")
 
+import stacks  # noqa: E402  (bench/stacks.py, beside this script)
 import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 
 import te_compile  # noqa: E402
 from te_compile.tools.check_inductor import InductorRecorder  # noqa: E402
 
-RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}
+RECIPES = {
+    "current": R.Float8CurrentScaling,
+    "delayed": R.DelayedScaling,
+    "block": R.Float8BlockScaling,
+}
 
 
 _CALL = re.compile(r"\n    def call\(self, args\):|\ndef call\(args\):")
@@ -50,21 +60,25 @@ def count(
         rec.context(),
         inductor_config.patch(benchmark_kernel=True),
     ):
-        layer = te.TransformerLayer(
-            hidden,
-            4 * hidden,
-            hidden // 64,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            params_dtype=torch.bfloat16,
-            self_attn_mask_type="causal",
-        ).cuda()
+        if recipe_name == "torch":  # the same block in plain PyTorch bf16 (bench/stacks.py)
+            stacks.HEAD_DIM = 64
+            layer = stacks.TorchTransformerBlock(hidden)
+        else:
+            layer = te.TransformerLayer(
+                hidden,
+                4 * hidden,
+                hidden // 64,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                params_dtype=torch.bfloat16,
+                self_attn_mask_type="causal",
+            ).cuda()
         x = torch.randn(tokens, 1, hidden, device="cuda", dtype=torch.bfloat16)
         x.requires_grad_()
-        recipe = RECIPES[recipe_name]()
+        recipe = RECIPES[recipe_name]() if recipe_name in RECIPES else None
 
         def step(x):
-            with te.autocast(recipe=recipe):
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
                 return layer(x)
 
         torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
@@ -79,8 +93,25 @@ def count(
         )
         launched = re.findall(r"(\w+)\.run\(", code)
         megabytes = 1e3 * sum(num_gb.get(name, 0.0) for name in launched)
-        rows.append((len(set(launched)), len(launched), megabytes, calls))
+        rows.append((len(set(launched)), len(launched), megabytes, calls, _inputs_outputs(code)))
     return rows
+
+
+def _inputs_outputs(code: str) -> tuple[int, int]:
+    """The graph's tensor inputs and outputs (the forward's outputs include what it saves for
+    backward, the backward's inputs what it reads of them): each costs CPU per call in AOT
+    autograd's wrappers and, under CUDA graphs, in cudagraph trees' bookkeeping."""
+    unpacked = re.search(r"\n\s*((?:\w+, )*\w+),? = args\n", code)
+    returned = code[code.rindex("return (") + len("return (") :].split("\n", 1)[0]
+    depth, items = 0, [""]
+    for ch in returned[: returned.rindex(")")]:  # split the returned tuple at its own commas
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            items.append("")
+        else:
+            items[-1] += ch
+    outputs = sum(1 for item in items if item.strip())
+    return (len(unpacked.group(1).split(", ")) if unpacked else 0), outputs
 
 
 def main() -> None:
@@ -94,15 +125,19 @@ def main() -> None:
         f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, torch {torch.__version__}"
     )
     print(
-        "| recipe | graph | Triton kernels | launches | MB moved | scaled GEMMs and te_compile ops |"
+        "| recipe | graph | Triton kernels | launches | MB moved | inputs / outputs "
+        "| scaled GEMMs and te_compile ops |"
     )
-    print("|---|---|---|---|---|---|")
-    for name in args.recipes.split(","):
-        for graph, (kernels, launches, megabytes, calls) in zip(
+    print("|---|---|---|---|---|---|---|")
+    # DelayedScaling last: TE's autocast exit (eager, and ours under compile) updates every
+    # DelayedScaling layer registered in the process, so a recipe after it would count that too.
+    for name in sorted(args.recipes.split(","), key=lambda name: name == "delayed"):
+        for graph, (kernels, launches, megabytes, calls, (ins, outs)) in zip(
             ("forward", "backward"), count(name, args.hidden, args.tokens), strict=False
         ):
             ops = ", ".join(f"{op.split('.')[-1]} {n}" for op, n in sorted(calls.items()))
-            print(f"| {name} | {graph} | {kernels} | {launches} | {megabytes:.1f} | {ops} |")
+            row = f"| {name} | {graph} | {kernels} | {launches} | {megabytes:.1f} | {ins} / {outs}"
+            print(f"{row} | {ops} |")
 
 
 if __name__ == "__main__":
