@@ -2,6 +2,7 @@
 
     python bench/amax_variants.py [--shapes 2048x2048,6144x2048,8192x2048,2048x8192] [--calls 50]
     python bench/amax_variants.py --check   (the equality check alone; runs on a CPU too)
+    python bench/amax_variants.py --gelu    (the amax of TE's tanh GELU of each tensor, in float32)
 
 Current scaling's graph path spends about 150 us of a 1,257 us TransformerLayer step at H=2048 in
 inductor's amax reductions (docs/perf/session24/), which streamed at about half the rate of TE's
@@ -20,10 +21,13 @@ import collections
 
 import torch
 
-from te_compile.graph_fp8 import quantize
+from te_compile.graph_fp8 import mlp, quantize
 
-_MAGNITUDE_BITS = 0x7FFF  # a bfloat16's bits without the sign
-_INF_BITS = 0x7F80  # +inf as bfloat16 bits; larger magnitudes are NaNs
+# per dtype: (the integer of its size, its bits without the sign, +inf's bits: above are NaNs)
+_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
 
 
 def _no_nan_magnitude(x):
@@ -50,10 +54,17 @@ def max_and_min(x):
 
 def bits(x):
     """On the bits: a non-negative float's order is its bits' order as an integer, so the
-    largest magnitude is the largest 15-bit pattern at most +inf's (NaNs above it skipped)."""
-    m = x.view(torch.int16) & _MAGNITUDE_BITS
-    m = torch.where(m > _INF_BITS, torch.zeros_like(m), m)
-    return m.amax(dim=-1).amax().view(torch.bfloat16).float().reshape(1)
+    largest magnitude is the largest sign-less pattern at most +inf's (NaNs above it skipped)."""
+    integer, magnitude, inf = _BITS[x.dtype]
+    m = x.view(integer) & magnitude
+    m = torch.where(m > inf, torch.zeros_like(m), m)
+    return m.amax(dim=-1).amax().view(x.dtype).float().reshape(1)
+
+
+def of_gelu(variant):
+    """`variant` of TE's tanh GELU of x in float32, as the graph MLP's current-scaling amax
+    reads FC1's output (graph_fp8/mlp.py)."""
+    return lambda x: variant(mlp.gelu(x.float()))
 
 
 VARIANTS = {"rows (quantize.amax)": quantize.amax, "whole": whole, "columns": columns}
@@ -75,15 +86,17 @@ def adversarial(shape, device) -> list[torch.Tensor]:
     return [t.to(device) for t in (*cases, tiny)]
 
 
-def check(device: str, shape=(64, 256)) -> dict[str, str]:
+def check(device: str, gelu: bool, shape=(64, 256)) -> dict[str, str]:
     """Variant -> "" if it equals quantize.amax on every adversarial case, eager and compiled,
-    else the first difference."""
+    else the first difference (`gelu`: of the GELU of each case)."""
     torch._dynamo.reset()
     failures = {}
+    reference = of_gelu(quantize.amax) if gelu else quantize.amax
     for name, fn in VARIANTS.items():
+        fn = of_gelu(fn) if gelu else fn
         for mode, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True))):
             for i, x in enumerate(adversarial(shape, device)):
-                want, got = quantize.amax(x).cpu(), f(x).cpu()
+                want, got = reference(x).cpu(), f(x).cpu()
                 if not torch.equal(want.view(torch.int32), got.view(torch.int32)):
                     failures.setdefault(name, f"{mode}, case {i}: {got.item()} != {want.item()}")
     return {name: failures.get(name, "") for name in VARIANTS}
@@ -112,9 +125,10 @@ def main() -> None:
     p.add_argument("--shapes", default="2048x2048,6144x2048,8192x2048,2048x8192")
     p.add_argument("--calls", type=int, default=50)
     p.add_argument("--check", action="store_true", help="the equality check only")
+    p.add_argument("--gelu", action="store_true", help="the amax of the GELU of each tensor")
     args = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    verdicts = check(device)
+    verdicts = check(device, args.gelu)
     for name, why in verdicts.items():
         print(f"{name}: {'equal to quantize.amax' if not why else 'DIFFERS: ' + why}")
     if args.check or device == "cpu":
@@ -122,7 +136,8 @@ def main() -> None:
     import transformer_engine_torch as tex
 
     equal = [name for name, why in verdicts.items() if not why]
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}: GPU us per amax")
+    what = "amax of the GELU (TE's kernel: of the tensor itself)" if args.gelu else "amax"
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}: GPU us per {what}")
     print(f"| shape | TE's kernel | {' | '.join(equal)} |\n|---{'|---' * (len(equal) + 1)}|")
     for shape in args.shapes.split(","):
         rows, cols = (int(v) for v in shape.split("x"))
@@ -131,7 +146,8 @@ def main() -> None:
         times = [gpu_us(lambda t, out=amax: tex.compute_amax(t, out), x, args.calls)]
         for name in equal:
             torch._dynamo.reset()
-            times.append(gpu_us(torch.compile(VARIANTS[name], fullgraph=True), x, args.calls))
+            fn = of_gelu(VARIANTS[name]) if args.gelu else VARIANTS[name]
+            times.append(gpu_us(torch.compile(fn, fullgraph=True), x, args.calls))
         print(f"| [{rows}, {cols}] | {' | '.join(f'{t:.1f}' for t in times)} |")
 
 
