@@ -91,6 +91,9 @@ case "${PART:-all}" in
   checkpoint) files=($g/test_checkpoint_gpu.py) ;;
   loops1) files=($g/test_cudagraph_loops_gpu.py -k whatever_ran_before) ;;
   loops2) files=($g/test_cudagraph_loops_gpu.py -k transformer_stack) ;;
+  # HF transformers + accelerate (skips without them: docs/gpu.md brings them as wheels);
+  # about 2 minutes on an H100 (session 25)
+  hf) files=($g/test_hf_gpu.py) ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
