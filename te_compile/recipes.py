@@ -130,6 +130,13 @@ def for_linear(
         return QuantConfig()
     fwd, bwd = _dtype_name(recipe, True), _dtype_name(recipe, False)
     if isinstance(recipe, DelayedScaling):
+        if not isinstance(recipe.margin, (int, float)):
+            # eager TE fails later, in its first scale update, with a TypeError about float()
+            raise TypeError(
+                f"DelayedScaling(margin={recipe.margin!r}): margin must be a number. Its first "
+                "positional field is margin: pass the format by keyword, "
+                "DelayedScaling(fp8_format=Format.HYBRID, ...)."
+            )
         # Scales and amax histories are tensors (TE's fp8_meta), passed to the ops separately.
         return QuantConfig(
             kind="delayed",

@@ -134,6 +134,15 @@ def test_delayed_callables_are_refused(kwargs, option, meta_delayed):
         )
 
 
+def test_delayed_format_passed_as_margin_is_named(meta_delayed):
+    """DelayedScaling's first positional field is margin: a format passed there is named under
+    compile, where eager TE fails later, in its first update, on a float() conversion."""
+    linear = make_linear()
+    recipe = R.DelayedScaling(R.Format.HYBRID, amax_history_len=16)
+    with pytest.raises(Exception, match="margin must be a number.*fp8_format=Format.HYBRID"):
+        torch.compile(step_fn(linear, recipe), backend="eager", fullgraph=True)(x_meta())
+
+
 def test_module_lookup_survives_dead_weak_proxies(meta_delayed):
     """Finding a module by id scans gc objects; a dead weakref proxy among them must not raise."""
 
