@@ -92,11 +92,13 @@ def check(device: str, gelu: bool, shape=(64, 256)) -> dict[str, str]:
     torch._dynamo.reset()
     failures = {}
     reference = of_gelu(quantize.amax) if gelu else quantize.amax
+    cases = adversarial(shape, device)
+    wants = [reference(x).cpu() for x in cases]
     for name, fn in VARIANTS.items():
         fn = of_gelu(fn) if gelu else fn
         for mode, f in (("eager", fn), ("compiled", torch.compile(fn, fullgraph=True))):
-            for i, x in enumerate(adversarial(shape, device)):
-                want, got = reference(x).cpu(), f(x).cpu()
+            for i, (x, want) in enumerate(zip(cases, wants, strict=True)):
+                got = f(x).cpu()
                 if not torch.equal(want.view(torch.int32), got.view(torch.int32)):
                     failures.setdefault(name, f"{mode}, case {i}: {got.item()} != {want.item()}")
     return {name: failures.get(name, "") for name in VARIANTS}

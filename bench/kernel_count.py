@@ -22,6 +22,7 @@ and, under CUDA graphs, by cudagraph trees.
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import re
 import warnings
@@ -102,15 +103,8 @@ def _inputs_outputs(code: str) -> tuple[int, int]:
     backward, the backward's inputs what it reads of them): each costs CPU per call in AOT
     autograd's wrappers and, under CUDA graphs, in cudagraph trees' bookkeeping."""
     unpacked = re.search(r"\n\s*((?:\w+, )*\w+),? = args\n", code)
-    returned = code[code.rindex("return (") + len("return (") :].split("\n", 1)[0]
-    depth, items = 0, [""]
-    for ch in returned[: returned.rindex(")")]:  # split the returned tuple at its own commas
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if ch == "," and depth == 0:
-            items.append("")
-        else:
-            items[-1] += ch
-    outputs = sum(1 for item in items if item.strip())
+    returned = code[code.rindex("return (") + len("return ") :].split("\n", 1)[0]
+    outputs = len(ast.parse(returned, mode="eval").body.elts)  # the returned tuple's items
     return (len(unpacked.group(1).split(", ")) if unpacked else 0), outputs
 
 
