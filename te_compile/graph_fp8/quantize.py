@@ -28,19 +28,24 @@ _EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a fl
 _BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 
 
-def amax(x: torch.Tensor) -> torch.Tensor:
+def amax(x: torch.Tensor, by_rows: bool = False) -> torch.Tensor:
     """max |x| as float32 [1], NaNs skipped (TE's amax kernel); 0 when every element is NaN.
 
-    Taken row by row, then over the rows: a maximum does not depend on its order, but inductor
-    fuses a reduction over each row with a cast that reads the same rows (one pass over the
-    tensor, as TE's DelayedScaling cast records its amax), and ran it at up to 2.5x the speed of
-    its split reduction of the whole tensor (H200, [2048, 8192] bf16: 20 against 50 us).
-    `amax(dim=-1)` rather than a reshape to rows: the same kernels, and torch 2.11's dynamo
-    fails on the reshape's form inside the graph path's autograd.Function when the row count
-    is dynamic (an AssertionError in its higher-order-op output handling)."""
+    A maximum does not depend on its order, so the form is chosen for speed. Current scaling's
+    amax is a pass of its own (its cast needs the finished amax): one reduction over the whole
+    tensor, which inductor splits, ran 1.05-1.3x faster than rows-then-whole on the H100
+    (bench/amax_variants.py, session 26). `by_rows`: over each row, then over the rows, for
+    DelayedScaling, whose cast reads the same rows and takes the amax in the same pass (as TE's
+    DelayedScaling cast records it; H200, [2048, 8192] bf16: 20 against 50 us for the split
+    whole-tensor reduction beside the cast). `amax(dim=-1)` rather than a reshape to rows: the
+    same kernels, and torch 2.11's dynamo fails on the reshape's form inside the graph path's
+    autograd.Function when the row count is dynamic (an AssertionError in its higher-order-op
+    output handling)."""
     magnitude = x.abs()
     magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    return magnitude.amax(dim=-1).amax().float().reshape(1)
+    if by_rows:
+        magnitude = magnitude.amax(dim=-1)
+    return magnitude.amax().float().reshape(1)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
@@ -90,7 +95,7 @@ def quantize_delayed(
     amax is x's, recorded for the history as TE's cast kernel records it. `scale_inv`: the
     scale's reciprocal, if already taken (graph_fp8.linear.Scales)."""
     scale_inv = reciprocal(scale) if scale_inv is None else scale_inv
-    return cast(x, scale, fp8), scale_inv, amax(x)
+    return cast(x, scale, fp8), scale_inv, amax(x, by_rows=True)
 
 
 def stored_bf16(t: torch.Tensor) -> torch.Tensor:
