@@ -112,15 +112,22 @@ def quantize_weight(w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = N
 TE_TRANSPOSE_MIN_ELEMENTS = 1 << 24
 
 
+def _te_transposes(t: torch.Tensor) -> bool:
+    return t.numel() >= TE_TRANSPOSE_MIN_ELEMENTS
+
+
 def _transposed(t: torch.Tensor) -> torch.Tensor:
     """2-D FP8 `t` transposed, contiguous (TE's column-wise data)."""
-    if t.numel() >= TE_TRANSPOSE_MIN_ELEMENTS:
+    if _te_transposes(t):
         return torch.ops.te_compile.fp8_transpose(t)
     return t.t().contiguous()
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """`t` with the same values, stored transposed (TE's column-wise copy)."""
+    """`t` with the same values, stored transposed (TE's column-wise copy); `t` itself if it
+    already is (a copy fprop_and_copies made)."""
+    if t.stride() == (1, t.shape[0]):
+        return t
     return _transposed(t).t()
 
 
@@ -143,9 +150,39 @@ def fprop(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None):
     return _gemm(xq, x_si, wq.t(), w_si, out_dtype, acc, bias)
 
 
+# Where TE's transpose kernel makes a transposed copy of an FP8 tensor the graph has just cast,
+# the GEMM reading that tensor and the copy are one op (te_compile::scaled_mm_transposing): as
+# two consumers that each ask inductor for exact strides, they made it store the cast's bytes
+# twice (3 x 16 MiB per TransformerLayer step at H=2048: FC1's and FC2's weights, FC1's
+# grad_output). The GEMM is the same `_scaled_mm` call.
+def fprop_and_copies(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None, wgrad=True, dgrad=True):
+    """(fprop's y, x as wgrad reads it, the weight as dgrad reads it): the transposed copy
+    (a column-major view of it) where TE's transpose kernel makes it and that GEMM will run,
+    made beside fprop; else the tensor itself (wgrad and dgrad transpose it then)."""
+    copy_x, copy_w = wgrad and _te_transposes(xq), dgrad and _te_transposes(wq)
+    if not (copy_x or copy_w):
+        return fprop(xq, x_si, wq, w_si, out_dtype, acc, bias), xq, wq
+    out = torch.ops.te_compile.scaled_mm_transposing(
+        xq, x_si, wq, w_si, bias, out_dtype, not acc, copy_x, copy_w
+    )
+    x_saved = out[1].t() if copy_x else xq
+    return out[0], x_saved, out[-1].t() if copy_w else wq
+
+
 def dgrad(gq, g_si, wq, w_si, out_dtype, acc: bool):
     """dx = dy @ w, reading w's transposed copy."""
     return _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, acc)
+
+
+def dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, acc: bool, wgrad: bool):
+    """(dgrad's dx, grad_output's transposed copy for wgrad): the copy made beside the GEMM
+    where TE's transpose kernel makes it and `wgrad` will run, else None."""
+    if not (wgrad and _te_transposes(gq)):
+        return dgrad(gq, g_si, wq, w_si, out_dtype, acc), None
+    dx, gq_t = torch.ops.te_compile.scaled_mm_transposing(
+        gq, g_si, _column_major(wq).t(), w_si, None, out_dtype, not acc, True, False
+    )
+    return dx, gq_t
 
 
 def wgrad(gq, g_si, xq, x_si, out_dtype, acc: bool, gq_t=None):
@@ -184,7 +221,10 @@ class _LinearFunction(torch.autograd.Function):
             wq, w_si, w_amax = quantize_weight(weight, cfg, scales)
             slots = {delayed_slot("input"): x_amax, delayed_slot("weight"): w_amax}
             amaxes = in_slots(fwd_scale, slots)  # the output slot: none
-        y = fprop(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias)
+        wgrad, dgrad = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
+        y, xq, wq = fprop_and_copies(
+            xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias, wgrad, dgrad
+        )
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
         # (whose version check would refuse the mutation).
@@ -210,7 +250,9 @@ class _LinearFunction(torch.autograd.Function):
                 gq, g_si, g_amax = quantize_delayed(dy2d, scales, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            dx = dgrad(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1]).reshape(ctx.x_shape)
+            wants = ctx.needs_input_grad[1] and gq_t is None
+            dx, copy = dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1], wants)
+            dx, gq_t = dx.reshape(ctx.x_shape), gq_t if copy is None else copy
         if ctx.needs_input_grad[1]:
             dw = wgrad(gq, g_si, xq, x_si, out_dtype, cfg.split_acc[2], gq_t)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -102,10 +102,13 @@ class _MLPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, fwd_scale, bwd_scale, bwd_history, call: MLPFP8, x_value):
         cfg, dtype, acc = call.cfg, call.out_dtype, call.cfg.split_acc
+        needs = ctx.needs_input_grad
         if fwd_scale is None:
             xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
             w1q, w1_si = linear.quantize_weight(w1, cfg)
-            fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
+            fc1_out, xq, w1q = linear.fprop_and_copies(
+                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[1], needs[0]
+            )
             aq, a_si = _quantized_gelu(fc1_out, cfg)
             w2q, w2_si = linear.quantize_weight(w2, cfg)
             amaxes = x.new_zeros(0, dtype=torch.float32)
@@ -114,7 +117,9 @@ class _MLPFunction(torch.autograd.Function):
             scales = linear.Scales.of(fwd_scale)
             xq, x_si, x_amax = linear.quantize_delayed(value, scales, cfg, _INPUT, stored)
             w1q, w1_si, w1_amax = linear.quantize_weight(w1, cfg, scales)
-            fc1_out = linear.fprop(xq, x_si, w1q, w1_si, dtype, acc[0], b1)
+            fc1_out, xq, w1q = linear.fprop_and_copies(
+                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[1], needs[0]
+            )
             aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
             w2q, w2_si, w2_amax = linear.quantize_weight(w2, cfg, scales, _FC2)
             slots = {  # (the GEMM output slots record nothing)
@@ -124,7 +129,11 @@ class _MLPFunction(torch.autograd.Function):
                 delayed_slot("weight", _FC2): w2_amax,
             }
             amaxes = linear.in_slots(fwd_scale, slots)
-        y = linear.fprop(aq, a_si, w2q, w2_si, dtype, acc[0], b2)
+        # FC2's dgrad runs whenever FC1's inputs need a gradient
+        fc1_grads = needs[0] or needs[1] or needs[2]
+        y, aq, w2q = linear.fprop_and_copies(
+            aq, a_si, w2q, w2_si, dtype, acc[0], b2, needs[3], fc1_grads
+        )
         ctx.save_for_backward(xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si)
         ctx.call, ctx.biases = call, (b1 is not None, b2 is not None)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors.
@@ -149,8 +158,10 @@ class _MLPFunction(torch.autograd.Function):
             else:
                 db2, gq_t = None, None
                 gq, g_si, g2_amax = linear.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
+        wants = needs[3] and gq_t is None
+        fc2_dgrad, copy = linear.dgrad_and_grad_copy(gq, g_si, w2q, w2_si, dtype, acc[1], wants)
+        gq_t = gq_t if copy is None else copy
         dw2 = linear.wgrad(gq, g_si, aq, a_si, dtype, acc[2], gq_t) if needs[3] else None
-        fc2_dgrad = linear.dgrad(gq, g_si, w2q, w2_si, dtype, acc[1])
         g1q_t = None
         if bwd_scale is None:
             dact = torch.ops.te_compile.activation_grad(fc2_dgrad, fc1_out, "gelu")
@@ -160,8 +171,12 @@ class _MLPFunction(torch.autograd.Function):
             db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
                 fc2_dgrad, scales, cfg, _FC1, act_input=fc1_out, act="gelu"
             )
+        dx = None
+        if needs[0]:
+            wants = needs[1] and g1q_t is None
+            dx, copy = linear.dgrad_and_grad_copy(g1q, g1_si, w1q, w1_si, dtype, acc[1], wants)
+            g1q_t = g1q_t if copy is None else copy
         dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
-        dx = linear.dgrad(g1q, g1_si, w1q, w1_si, dtype, acc[1]) if needs[0] else None
         if bwd_scale is not None:
             linear.update_backward_state(cfg, bwd_scale, bwd_history, [g1_amax, g2_amax])
         db1 = db1 if needs[2] else None

@@ -8,6 +8,10 @@ TE's bytes, or do the job faster than inductor's generated code.
   bit-identical to TE's, for one small launch.
 - fp8_transpose: FP8 data's transposed copy (the column-wise data Hopper's FP8 GEMMs read) by
   TE's transpose kernel, for large tensors (graph_fp8/linear.py says when).
+- scaled_mm_transposing: one FP8 GEMM (aten's `_scaled_mm`, as the graph calls it) and the
+  transposed copy of one of its operands (TE's transpose kernel), where both read an FP8 tensor
+  the graph has just cast: as two consumers, each asking inductor for exact strides, they made
+  it store the cast's bytes twice (graph_fp8/linear.py); as one, it stores them once.
 - activation_grad: LayerNormMLP's activation gradient with Float8CurrentScaling, by TE's own
   `tex.d<act>` (float32 arithmetic, stored in grad's dtype). The same formula compiled by
   inductor matched TE's kernel on every input tried alone, yet a GPT trained on it parted from
@@ -50,6 +54,41 @@ def fp8_transpose(data: Tensor) -> Tensor:
 
 
 fp8_transpose.fake(lambda a: a.data.new_empty(a.data.shape[::-1]))
+
+
+@op()
+def scaled_mm_transposing(
+    a: Tensor,
+    a_scale_inv: Tensor,
+    b: Tensor,
+    b_scale_inv: Tensor,
+    bias: Tensor | None,
+    out_dtype: torch.dtype,
+    fast_accum: bool,
+    transpose_a: bool,
+    transpose_b: bool,
+) -> list[Tensor]:
+    """[a @ b.T of row-major FP8 `a` [M, K] and `b` [N, K], then the transposed copy of `a`
+    if `transpose_a`, then of `b` if `transpose_b`]: aten's `_scaled_mm` as the graph path
+    calls it, and fp8_transpose's bytes."""
+    y = torch.ops.aten._scaled_mm(
+        a,
+        b.t(),
+        a_scale_inv,
+        b_scale_inv,
+        bias=bias,
+        out_dtype=out_dtype,
+        use_fast_accum=fast_accum,
+    )
+    copied = [t for t, wanted in ((a, transpose_a), (b, transpose_b)) if wanted]
+    return [y, *(fp8_transpose.impl(t) for t in copied)]
+
+
+@scaled_mm_transposing.fake
+def _(a):
+    copied = [t for t, wanted in ((a.a, a.transpose_a), (a.b, a.transpose_b)) if wanted]
+    y = a.a.new_empty((a.a.shape[0], a.b.shape[0]), dtype=a.out_dtype)
+    return [y, *(t.new_empty(t.shape[::-1]) for t in copied)]
 
 
 @op()

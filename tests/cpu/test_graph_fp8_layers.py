@@ -150,7 +150,10 @@ def test_layernorm_linear_returned_norm_output(patched):
 
 def test_large_transposes_use_tes_kernel(patched):
     """Transposed FP8 copies of at least TE_TRANSPOSE_MIN_ELEMENTS go through TE's transpose
-    kernel (te_compile::fp8_transpose); smaller ones stay inductor's."""
+    kernel; smaller ones stay inductor's. A copy of a tensor the graph has just cast (the input
+    and weight in forward, grad_output in backward) is made by the op that runs the GEMM
+    reading it (te_compile::scaled_mm_transposing), so that tensor has one consumer: as two,
+    inductor stored its bytes twice (graph_fp8/linear.py)."""
     from te_compile.graph_fp8.linear import TE_TRANSPOSE_MIN_ELEMENTS
 
     side = 4096
@@ -159,11 +162,32 @@ def test_large_transposes_use_tes_kernel(patched):
     def make(n):
         return lambda: te.Linear(n, n, bias=False, params_dtype=torch.bfloat16).cuda()
 
-    _, bw = _trace(make(side), R.Float8CurrentScaling(), shape=(side, side))
-    # dgrad's weight copy, wgrad's grad_output and input copies
-    assert bw == {"_scaled_mm": 2, "fp8_transpose": 3}
-    _, bw = _trace(make(64), R.Float8CurrentScaling(), shape=(32, 64))
-    assert bw == {"_scaled_mm": 2}
+    fw, bw = _trace(make(side), R.Float8CurrentScaling(), shape=(side, side))
+    assert fw == {"scaled_mm_transposing": 1}  # fprop, the input's and weight's copies
+    assert bw == {"scaled_mm_transposing": 1, "_scaled_mm": 1}  # dgrad + grad's copy; wgrad
+    fw, bw = _trace(make(64), R.Float8CurrentScaling(), shape=(32, 64))
+    assert (fw, bw) == ({"_scaled_mm": 1}, {"_scaled_mm": 2})
+
+
+def test_large_transposes_only_where_their_gemm_runs(patched):
+    """An input that needs no gradient: no dgrad, so no weight copy and grad_output's copy
+    for wgrad by TE's transpose kernel alone."""
+    side = 4096
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8():
+        module = te.Linear(side, side, bias=False, params_dtype=torch.bfloat16).cuda()
+        x = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+
+        def fn(x):
+            with te.autocast(recipe=R.Float8CurrentScaling()):
+                return module(x)
+
+        torch.compile(fn, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+    ops = [t for t in rec.targets(rec.fw + rec.bw) if "te_compile" in t or "_scaled_mm" in t]
+    want = ["_scaled_mm", "fp8_transpose", "scaled_mm_transposing"]
+    assert sorted(t.split(".")[1] for t in ops) == want
+    (fprop,) = [n for n in rec.fw[0].graph.nodes if "scaled_mm_transposing" in str(n.target)]
+    assert fprop.args[-2:] == (True, False)  # the input's copy (for wgrad), not the weight's
 
 
 def test_inference_under_no_grad_takes_the_graph_path(patched, graph_breaks):

@@ -61,3 +61,7 @@ def test_graph_path_ops_opcheck_on_fake(act, fake_gpu, fake_cuda):
     torch.library.opcheck(torch.ops.te_compile.bias_grad.default, (grad,))
     data = torch.empty(64, 32, device="cuda", dtype=torch.float8_e4m3fn)
     torch.library.opcheck(torch.ops.te_compile.fp8_transpose.default, (data,))
+    other, si = torch.empty(48, 32, device="cuda", dtype=torch.float8_e4m3fn), scale
+    for transpose_b in (True, False):
+        args = (data, si, other, si, None, torch.bfloat16, True, transpose_b)
+        torch.library.opcheck(torch.ops.te_compile.scaled_mm_transposing.default, args)

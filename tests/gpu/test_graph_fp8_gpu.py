@@ -352,13 +352,17 @@ def test_graph_path_under_cuda_graphs_matches_default_mode(recipe):
         assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
 
 
-@pytest.mark.parametrize("shape", [(128, 256), (4, 32, 256)], ids=["2d", "3d"])
+@pytest.mark.parametrize(
+    "shape", [(128, 256), (4, 32, 256), (4096, 4096)], ids=["2d", "3d", "large"]
+)
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_one_linear_matches_eager_te(recipe, bias, shape):
     """One te.Linear, three steps, compiled on the graph path against eager TE: output, input
     and weight gradients, dbias and DelayedScaling's state bit-identical (DelayedScaling's
-    dbias from TE's fused dbias + cast kernel, as eager TE's)."""
+    dbias from TE's fused dbias + cast kernel, as eager TE's). "large": a 4096 x 4096 weight,
+    whose transposed copies are TE's transpose kernel's, made beside their GEMM
+    (te_compile::scaled_mm_transposing)."""
     te_compile.patch()
     make = {
         "current": R.Float8CurrentScaling,
@@ -369,7 +373,7 @@ def test_one_linear_matches_eager_te(recipe, bias, shape):
         torch._dynamo.reset()
         FGS.reset()
         torch.manual_seed(0)
-        linear = te.Linear(256, 256, bias=bias, params_dtype=torch.bfloat16)
+        linear = te.Linear(shape[-1], shape[-1], bias=bias, params_dtype=torch.bfloat16)
         if bias:
             with torch.no_grad():
                 linear.bias.normal_()

@@ -155,10 +155,12 @@ def _delayed_state(m) -> list:
     return [t.clone() for meta in metas for t in (meta.amax_history, meta.scale)]
 
 
-def _train_mlp(compiled: bool, normalization: str, bias: bool, recipe="current", steps: int = 3):
+def _train_mlp(
+    compiled: bool, normalization: str, bias: bool, recipe="current", steps: int = 3, hidden=256
+):
     _fresh()
     m = te.LayerNormMLP(
-        256, 1024, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
+        hidden, 4 * hidden, bias=bias, normalization=normalization, params_dtype=torch.bfloat16
     )
     with torch.no_grad():
         for p in m.parameters():
@@ -166,7 +168,9 @@ def _train_mlp(compiled: bool, normalization: str, bias: bool, recipe="current",
                 p.add_(0.1 * torch.randn_like(p))
 
     def make_input(step):  # growing scale: DelayedScaling's scales move
-        return torch.randn(32, 4, 256, device="cuda", dtype=torch.bfloat16) * (1 + step)
+        rows = 128 if hidden == 256 else 2048
+        x = torch.randn(rows // 4, 4, hidden, device="cuda", dtype=torch.bfloat16)
+        return x * (1 + step)
 
     if recipe == "delayed":
         return _train(
@@ -183,6 +187,18 @@ def test_layernorm_mlp_trains_as_eager_te(normalization, bias, patched):
     want = _train_mlp(False, normalization, bias)
     with graph_fp8():
         got = _train_mlp(True, normalization, bias)
+    _assert_identical(got, want)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_large_layernorm_mlp_trains_as_eager_te(recipe, bias, patched):
+    """H=2048, FFN 8192, 2048 rows (the benchmark's TransformerLayer MLP): the FC weights, FC2's
+    input and FC1's grad_output are large enough for TE's transpose kernel, their copies made
+    beside their GEMMs (te_compile::scaled_mm_transposing). 3 SGD steps against eager TE."""
+    want = _train_mlp(False, "LayerNorm", bias, recipe, steps=3, hidden=2048)
+    with graph_fp8():
+        got = _train_mlp(True, "LayerNorm", bias, recipe, steps=3, hidden=2048)
     _assert_identical(got, want)
 
 
@@ -336,3 +352,23 @@ def test_fp8_transpose_is_the_transpose(dtype, patched):
     data = torch.randint(0, 256, (4096, 4352), device="cuda", dtype=torch.uint8).view(dtype)
     got = torch.ops.te_compile.fp8_transpose(data)
     assert got.dtype == dtype and torch.equal(got.view(torch.uint8), data.view(torch.uint8).t())
+
+
+@pytest.mark.parametrize("transpose_b", [True, False], ids=["b", "a"])
+def test_scaled_mm_transposing_is_the_gemm_and_the_transpose(transpose_b, patched):
+    """te_compile::scaled_mm_transposing: aten's _scaled_mm as the graph calls it, bit for bit,
+    and the transposed bytes of the operand asked for."""
+    torch.manual_seed(0)
+    a = torch.randn(512, 1024, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(768, 1024, device="cuda").to(torch.float8_e4m3fn)
+    a_si, b_si = torch.full((1,), 0.5, device="cuda"), torch.full((1,), 0.25, device="cuda")
+    bias = torch.randn(768, device="cuda", dtype=torch.bfloat16)
+    y, copy = torch.ops.te_compile.scaled_mm_transposing(
+        a, a_si, b, b_si, bias, torch.bfloat16, True, not transpose_b, transpose_b
+    )
+    want = torch.ops.aten._scaled_mm(
+        a, b.t(), a_si, b_si, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True
+    )
+    assert torch.equal(y, want)
+    src = b if transpose_b else a
+    assert torch.equal(copy.view(torch.uint8), src.view(torch.uint8).t())
