@@ -125,7 +125,7 @@ def _transposed(t: torch.Tensor) -> torch.Tensor:
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     """`t` with the same values, stored transposed (TE's column-wise copy); `t` itself if it
-    already is (a copy fprop_and_copies made)."""
+    already is (a copy fprop_and_weight_copy made)."""
     if t.stride() == (1, t.shape[0]):
         return t
     return _transposed(t).t()
@@ -155,18 +155,19 @@ def fprop(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None):
 # two consumers that each ask inductor for exact strides, they made it store the cast's bytes
 # twice (3 x 16 MiB per TransformerLayer step at H=2048: FC1's and FC2's weights, FC1's
 # grad_output). The GEMM is the same `_scaled_mm` call.
-def fprop_and_copies(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None, wgrad=True, dgrad=True):
-    """(fprop's y, x as wgrad reads it, the weight as dgrad reads it): the transposed copy
-    (a column-major view of it) where TE's transpose kernel makes it and that GEMM will run,
-    made beside fprop; else the tensor itself (wgrad and dgrad transpose it then)."""
-    copy_x, copy_w = wgrad and _te_transposes(xq), dgrad and _te_transposes(wq)
-    if not (copy_x or copy_w):
-        return fprop(xq, x_si, wq, w_si, out_dtype, acc, bias), xq, wq
-    out = torch.ops.te_compile.scaled_mm_transposing(
-        xq, x_si, wq, w_si, bias, out_dtype, not acc, copy_x, copy_w
+def fprop_and_weight_copy(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None, dgrad=True):
+    """(fprop's y, the weight as dgrad reads it): TE's transposed copy of a large weight (a
+    column-major view of it) made beside the GEMM when `dgrad` will run, else `wq` (dgrad
+    transposes it then). The input's copy for wgrad stays apart: made by this op it failed to
+    trace on torch 2.11 once the row count was dynamic (an AssertionError in dynamo's
+    higher-order-op output handling; 2.14 traces it), and an input's cast has rarely been
+    cheap enough for inductor to store it twice (DelayedScaling's FC2 input is)."""
+    if not (dgrad and _te_transposes(wq)):
+        return fprop(xq, x_si, wq, w_si, out_dtype, acc, bias), wq
+    y, wq_t = torch.ops.te_compile.scaled_mm_transposing(
+        xq, x_si, wq, w_si, bias, out_dtype, not acc, False, True
     )
-    x_saved = out[1].t() if copy_x else xq
-    return out[0], x_saved, out[-1].t() if copy_w else wq
+    return y, wq_t.t()
 
 
 def dgrad(gq, g_si, wq, w_si, out_dtype, acc: bool):
@@ -221,9 +222,9 @@ class _LinearFunction(torch.autograd.Function):
             wq, w_si, w_amax = quantize_weight(weight, cfg, scales)
             slots = {delayed_slot("input"): x_amax, delayed_slot("weight"): w_amax}
             amaxes = in_slots(fwd_scale, slots)  # the output slot: none
-        wgrad, dgrad = ctx.needs_input_grad[1], ctx.needs_input_grad[0]
-        y, xq, wq = fprop_and_copies(
-            xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias, wgrad, dgrad
+        y, wq = fprop_and_weight_copy(
+            *(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias),
+            dgrad=ctx.needs_input_grad[0],
         )
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors

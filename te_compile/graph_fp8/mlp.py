@@ -106,8 +106,8 @@ class _MLPFunction(torch.autograd.Function):
         if fwd_scale is None:
             xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
             w1q, w1_si = linear.quantize_weight(w1, cfg)
-            fc1_out, xq, w1q = linear.fprop_and_copies(
-                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[1], needs[0]
+            fc1_out, w1q = linear.fprop_and_weight_copy(
+                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[0]
             )
             aq, a_si = _quantized_gelu(fc1_out, cfg)
             w2q, w2_si = linear.quantize_weight(w2, cfg)
@@ -117,8 +117,8 @@ class _MLPFunction(torch.autograd.Function):
             scales = linear.Scales.of(fwd_scale)
             xq, x_si, x_amax = linear.quantize_delayed(value, scales, cfg, _INPUT, stored)
             w1q, w1_si, w1_amax = linear.quantize_weight(w1, cfg, scales)
-            fc1_out, xq, w1q = linear.fprop_and_copies(
-                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[1], needs[0]
+            fc1_out, w1q = linear.fprop_and_weight_copy(
+                xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[0]
             )
             aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
             w2q, w2_si, w2_amax = linear.quantize_weight(w2, cfg, scales, _FC2)
@@ -131,9 +131,7 @@ class _MLPFunction(torch.autograd.Function):
             amaxes = linear.in_slots(fwd_scale, slots)
         # FC2's dgrad runs whenever FC1's inputs need a gradient
         fc1_grads = needs[0] or needs[1] or needs[2]
-        y, aq, w2q = linear.fprop_and_copies(
-            aq, a_si, w2q, w2_si, dtype, acc[0], b2, needs[3], fc1_grads
-        )
+        y, w2q = linear.fprop_and_weight_copy(aq, a_si, w2q, w2_si, dtype, acc[0], b2, fc1_grads)
         ctx.save_for_backward(xq, x_si, w1q, w1_si, fc1_out, aq, a_si, w2q, w2_si)
         ctx.call, ctx.biases = call, (b1 is not None, b2 is not None)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors.
