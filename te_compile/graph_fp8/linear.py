@@ -222,9 +222,9 @@ class _LinearFunction(torch.autograd.Function):
             wq, w_si, w_amax = quantize_weight(weight, cfg, scales)
             slots = {delayed_slot("input"): x_amax, delayed_slot("weight"): w_amax}
             amaxes = in_slots(fwd_scale, slots)  # the output slot: none
+        dgrad_runs = ctx.needs_input_grad[0]
         y, wq = fprop_and_weight_copy(
-            *(xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias),
-            dgrad=ctx.needs_input_grad[0],
+            xq, x_si, wq, w_si, call.out_dtype, cfg.split_acc[0], bias, dgrad_runs
         )
         ctx.save_for_backward(xq, x_si, wq, w_si)
         # Backward mutates the DelayedScaling state: it rides on ctx, not in saved tensors
