@@ -165,7 +165,7 @@ def fprop_and_weight_copy(xq, x_si, wq, w_si, out_dtype, acc: bool, bias=None, d
     if not (dgrad and _te_transposes(wq)):
         return fprop(xq, x_si, wq, w_si, out_dtype, acc, bias), wq
     y, wq_t = torch.ops.te_compile.scaled_mm_transposing(
-        xq, x_si, wq, w_si, bias, out_dtype, not acc, False, True
+        xq, x_si, wq, w_si, bias, out_dtype, not acc, True
     )
     return y, wq_t.t()
 
@@ -181,7 +181,7 @@ def dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, acc: bool, wgrad: bool):
     if not (wgrad and _te_transposes(gq)):
         return dgrad(gq, g_si, wq, w_si, out_dtype, acc), None
     dx, gq_t = torch.ops.te_compile.scaled_mm_transposing(
-        gq, g_si, _column_major(wq).t(), w_si, None, out_dtype, not acc, True, False
+        gq, g_si, _column_major(wq).t(), w_si, None, out_dtype, not acc, False
     )
     return dx, gq_t
 

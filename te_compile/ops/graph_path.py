@@ -65,12 +65,11 @@ def scaled_mm_transposing(
     bias: Tensor | None,
     out_dtype: torch.dtype,
     fast_accum: bool,
-    transpose_a: bool,
     transpose_b: bool,
-) -> list[Tensor]:
-    """[a @ b.T of row-major FP8 `a` [M, K] and `b` [N, K], then the transposed copy of `a`
-    if `transpose_a`, then of `b` if `transpose_b`]: aten's `_scaled_mm` as the graph path
-    calls it, and fp8_transpose's bytes."""
+) -> tuple[Tensor, Tensor]:
+    """(a @ b.T of row-major FP8 `a` [M, K] and `b` [N, K], the transposed copy of `b` if
+    `transpose_b` else of `a`): aten's `_scaled_mm` as the graph path calls it, and
+    fp8_transpose's bytes."""
     y = torch.ops.aten._scaled_mm(
         a,
         b.t(),
@@ -80,15 +79,14 @@ def scaled_mm_transposing(
         out_dtype=out_dtype,
         use_fast_accum=fast_accum,
     )
-    copied = [t for t, wanted in ((a, transpose_a), (b, transpose_b)) if wanted]
-    return [y, *(fp8_transpose.impl(t) for t in copied)]
+    return y, fp8_transpose.impl(b if transpose_b else a)
 
 
 @scaled_mm_transposing.fake
 def _(a):
-    copied = [t for t, wanted in ((a.a, a.transpose_a), (a.b, a.transpose_b)) if wanted]
+    copied = a.b if a.transpose_b else a.a
     y = a.a.new_empty((a.a.shape[0], a.b.shape[0]), dtype=a.out_dtype)
-    return [y, *(t.new_empty(t.shape[::-1]) for t in copied)]
+    return y, copied.new_empty(copied.shape[::-1])
 
 
 @op()

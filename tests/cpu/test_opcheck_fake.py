@@ -65,3 +65,8 @@ def test_graph_path_ops_opcheck_on_fake(act, fake_gpu, fake_cuda):
     for transpose_b in (True, False):
         args = (data, si, other, si, None, torch.bfloat16, True, transpose_b)
         torch.library.opcheck(torch.ops.te_compile.scaled_mm_transposing.default, args)
+        # called directly too: opcheck on these fake inputs also passed a call missing an
+        # argument, which a direct call refuses
+        y, copy = torch.ops.te_compile.scaled_mm_transposing(*args)
+        assert (y.shape, y.dtype) == ((64, 48), torch.bfloat16)
+        assert copy.shape == ((32, 48) if transpose_b else (32, 64))

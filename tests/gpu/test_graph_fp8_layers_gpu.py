@@ -364,7 +364,7 @@ def test_scaled_mm_transposing_is_the_gemm_and_the_transpose(transpose_b, patche
     a_si, b_si = torch.full((1,), 0.5, device="cuda"), torch.full((1,), 0.25, device="cuda")
     bias = torch.randn(768, device="cuda", dtype=torch.bfloat16)
     y, copy = torch.ops.te_compile.scaled_mm_transposing(
-        a, a_si, b, b_si, bias, torch.bfloat16, True, not transpose_b, transpose_b
+        a, a_si, b, b_si, bias, torch.bfloat16, True, transpose_b
     )
     want = torch.ops.aten._scaled_mm(
         a, b.t(), a_si, b_si, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=True
