@@ -175,11 +175,12 @@ def dgrad(gq, g_si, wq, w_si, out_dtype, acc: bool):
     return _gemm(gq, g_si, _column_major(wq), w_si, out_dtype, acc)
 
 
-def dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, acc: bool, wgrad: bool):
-    """(dgrad's dx, grad_output's transposed copy for wgrad): the copy made beside the GEMM
-    where TE's transpose kernel makes it and `wgrad` will run, else None."""
-    if not (wgrad and _te_transposes(gq)):
-        return dgrad(gq, g_si, wq, w_si, out_dtype, acc), None
+def dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, acc: bool, wgrad: bool, gq_t=None):
+    """(dgrad's dx, grad_output's transposed copy for wgrad): `gq_t` if already made (TE's
+    fused dbias kernel's), else made beside the GEMM where TE's transpose kernel makes it and
+    `wgrad` will run, else None (wgrad transposes then)."""
+    if gq_t is not None or not (wgrad and _te_transposes(gq)):
+        return dgrad(gq, g_si, wq, w_si, out_dtype, acc), gq_t
     dx, gq_t = torch.ops.te_compile.scaled_mm_transposing(
         gq, g_si, _column_major(wq).t(), w_si, None, out_dtype, not acc, False
     )
@@ -251,9 +252,10 @@ class _LinearFunction(torch.autograd.Function):
                 gq, g_si, g_amax = quantize_delayed(dy2d, scales, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
-            wants = ctx.needs_input_grad[1] and gq_t is None
-            dx, copy = dgrad_and_grad_copy(gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1], wants)
-            dx, gq_t = dx.reshape(ctx.x_shape), gq_t if copy is None else copy
+            dx, gq_t = dgrad_and_grad_copy(
+                gq, g_si, wq, w_si, out_dtype, cfg.split_acc[1], ctx.needs_input_grad[1], gq_t
+            )
+            dx = dx.reshape(ctx.x_shape)
         if ctx.needs_input_grad[1]:
             dw = wgrad(gq, g_si, xq, x_si, out_dtype, cfg.split_acc[2], gq_t)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -156,9 +156,9 @@ class _MLPFunction(torch.autograd.Function):
             else:
                 db2, gq_t = None, None
                 gq, g_si, g2_amax = linear.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
-        wants = needs[3] and gq_t is None
-        fc2_dgrad, copy = linear.dgrad_and_grad_copy(gq, g_si, w2q, w2_si, dtype, acc[1], wants)
-        gq_t = gq_t if copy is None else copy
+        fc2_dgrad, gq_t = linear.dgrad_and_grad_copy(
+            gq, g_si, w2q, w2_si, dtype, acc[1], needs[3], gq_t
+        )
         dw2 = linear.wgrad(gq, g_si, aq, a_si, dtype, acc[2], gq_t) if needs[3] else None
         g1q_t = None
         if bwd_scale is None:
@@ -171,9 +171,9 @@ class _MLPFunction(torch.autograd.Function):
             )
         dx = None
         if needs[0]:
-            wants = needs[1] and g1q_t is None
-            dx, copy = linear.dgrad_and_grad_copy(g1q, g1_si, w1q, w1_si, dtype, acc[1], wants)
-            g1q_t = g1q_t if copy is None else copy
+            dx, g1q_t = linear.dgrad_and_grad_copy(
+                g1q, g1_si, w1q, w1_si, dtype, acc[1], needs[1], g1q_t
+            )
         dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
         if bwd_scale is not None:
             linear.update_backward_state(cfg, bwd_scale, bwd_history, [g1_amax, g2_amax])
