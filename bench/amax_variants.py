@@ -4,9 +4,9 @@
     python bench/amax_variants.py --check   (the equality check alone; runs on a CPU too)
     python bench/amax_variants.py --gelu    (the amax of TE's tanh GELU of each tensor, in float32)
 
-Current scaling's graph path spends about 150 us of a 1,257 us TransformerLayer step at H=2048 in
-inductor's amax reductions (docs/perf/session24/), which streamed at about half the rate of TE's
-amax kernel in session 23 (H200, [8192, 2048]: 16.0 against 9.1 us). Each variant below computes
+Current scaling's graph path spent about 150 us of a 1,257 us TransformerLayer step at H=2048 in
+inductor's amax reductions (docs/perf/session24/), at about half the rate of TE's amax kernel
+(session 23; session 26's run of this script: docs/perf/session26/). Each variant below computes
 TE's amax (max |x|, NaNs skipped, 0 if all are NaN) by other operations; each is checked equal to
 `quantize.amax` on adversarial values (NaN, +-inf, denormals, -0, an all-NaN tensor) before it is
 timed, compiled fullgraph in default mode, as GPU time per call of its kernels (torch.profiler)
