@@ -1,8 +1,8 @@
 """te.DotProductAttention and te.MultiheadAttention under torch.compile(fullgraph=True), traced
 without a GPU (te_compile.simulate_gpu): the op's layout, mask, window and backend arguments
 are what eager TE passes; packed q/k/v inputs; gradients reach every input; options the
-compiled path does not cover raise UnsupportedUnderCompileError naming them; opcheck of the
-attention and RoPE ops on fake CUDA tensors."""
+compiled path does not cover raise UnsupportedUnderCompileError naming them; the attention and
+RoPE ops checked on meta tensors (tests/meta_opcheck.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import attention_cases as cases
 import pytest
 import torch
 import transformer_engine.pytorch as te
+from meta_opcheck import opcheck_on_meta
 from transformer_engine.common import recipe as R
 
 import te_compile
@@ -287,7 +288,7 @@ def test_eager_is_tes_own(patched):
             dpa(q, q, q)
 
 
-# ---- opcheck (fake kernels, schemas, autograd registration) ------------------------------------
+# ---- the ops on meta tensors (fake kernels, schemas, autograd) ----------------------------------
 
 
 @pytest.mark.parametrize(
@@ -296,19 +297,17 @@ def test_eager_is_tes_own(patched):
 @pytest.mark.parametrize("mask,padded", [("causal", False), ("padding", True)])
 def test_fused_attn_opcheck_on_fake(layout, mask, padded, fake_cuda):
     args = cases.fused_attn_fwd_args(layout, mask, padded=padded)
-    torch.library.opcheck(torch.ops.te_compile.fused_attn_fwd.default, args)
-    torch.library.opcheck(
-        torch.ops.te_compile.fused_attn_bwd.default, cases.fused_attn_bwd_args(args)
-    )
+    opcheck_on_meta(torch.ops.te_compile.fused_attn_fwd.default, args)
+    opcheck_on_meta(torch.ops.te_compile.fused_attn_bwd.default, cases.fused_attn_bwd_args(args))
 
 
 @pytest.mark.parametrize("fmt", ["sbhd", "bshd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_rope_opcheck_on_fake(fmt, interleaved, fake_cuda):
     args = cases.rope_args(fmt, interleaved)
-    torch.library.opcheck(torch.ops.te_compile.fused_rope_fwd.default, args)
+    opcheck_on_meta(torch.ops.te_compile.fused_rope_fwd.default, args)
     grad = torch.randn_like(args[0]).detach()
-    torch.library.opcheck(torch.ops.te_compile.fused_rope_bwd.default, (grad, *args[1:]))
+    opcheck_on_meta(torch.ops.te_compile.fused_rope_bwd.default, (grad, *args[1:]))
 
 
 @pytest.mark.parametrize("layout", ["sbhd_sbhd_sbhd", "sbh3d", "bshd_bsh2d"])

@@ -1,8 +1,7 @@
-"""torch.library.opcheck for every te_compile op on fake CUDA tensors (no GPU).
-
-On fake inputs the ops dispatch to their fake kernels, so this checks the schemas, the autograd
-registration, and that the fake kernels run and trace through AOT dispatch; it cannot compare
-fake with real kernels. The real kernels are opchecked in tests/gpu.
+"""The te_compile ops checked without a GPU (tests/meta_opcheck.py: the call, the fake kernel's
+results against the schema, the autograd registration and gradients, a symbolic-shape trace of
+forward and backward); and that check failing where it must. `torch.library.opcheck` checks
+nothing on fake inputs. The real kernels are opchecked in tests/gpu.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import linear_cases
 import pytest
 import torch
+from meta_opcheck import opcheck_on_meta
 from transformer_engine.common import recipe as R
 
 import te_compile.ops  # noqa: F401  (registers the ops)
@@ -33,14 +33,14 @@ def test_linear_ops_opcheck_on_fake(name, bias, fake_gpu, fake_cuda):
     args = linear_cases.fwd_args(
         for_linear(make(), fp8_transpose=True).key, bias, name == "delayed"
     )
-    torch.library.opcheck(torch.ops.te_compile.linear_fwd.default, args)
-    torch.library.opcheck(torch.ops.te_compile.linear_bwd.default, linear_cases.bwd_args(args))
+    opcheck_on_meta(torch.ops.te_compile.linear_fwd.default, args)
+    opcheck_on_meta(torch.ops.te_compile.linear_bwd.default, linear_cases.bwd_args(args))
 
 
 def test_amax_and_scale_update_opcheck_on_fake(fake_cuda):
     histories = [torch.rand(4, 3, device="cuda"), torch.rand(4, 1, device="cuda")]
     scales = [torch.ones(3, device="cuda"), torch.ones(1, device="cuda")]
-    torch.library.opcheck(
+    opcheck_on_meta(
         torch.ops.te_compile.amax_and_scale_update.default,
         (histories, scales, "max", "e4m3", 0.0, True),
     )
@@ -55,18 +55,48 @@ def test_graph_path_ops_opcheck_on_fake(act, fake_gpu, fake_cuda):
     key = for_linear(R.DelayedScaling(), fp8_transpose=True).key
     act_input = torch.randn_like(grad) if act else None
     scale = torch.ones(1, device="cuda")
-    torch.library.opcheck(
+    opcheck_on_meta(
         torch.ops.te_compile.delayed_grad_quantize.default, (grad, act_input, scale, key, act)
     )
-    torch.library.opcheck(torch.ops.te_compile.bias_grad.default, (grad,))
+    opcheck_on_meta(torch.ops.te_compile.bias_grad.default, (grad,))
     data = torch.empty(64, 32, device="cuda", dtype=torch.float8_e4m3fn)
-    torch.library.opcheck(torch.ops.te_compile.fp8_transpose.default, (data,))
+    opcheck_on_meta(torch.ops.te_compile.fp8_transpose.default, (data,))
     other, si = torch.empty(48, 32, device="cuda", dtype=torch.float8_e4m3fn), scale
     for transpose_b in (True, False):
         args = (data, si, other, si, None, torch.bfloat16, True, transpose_b)
-        torch.library.opcheck(torch.ops.te_compile.scaled_mm_transposing.default, args)
-        # called directly too: opcheck on these fake inputs also passed a call missing an
-        # argument, which a direct call refuses
+        opcheck_on_meta(torch.ops.te_compile.scaled_mm_transposing.default, args)
         y, copy = torch.ops.te_compile.scaled_mm_transposing(*args)
         assert (y.shape, y.dtype) == ((64, 48), torch.bfloat16)
         assert copy.shape == ((32, 48) if transpose_b else (32, 64))
+
+
+# ---- the check can fail -------------------------------------------------------------------------
+
+_TEST_LIB = torch.library.Library("te_compile_checker_test", "FRAGMENT")
+_TEST_LIB.define("missing(Tensor x, int n) -> Tensor")
+_TEST_LIB.define("returns_input(Tensor x) -> Tensor")
+_TEST_LIB.define("wrong_grad(Tensor x) -> Tensor")
+_TEST_LIB.define("no_autograd(Tensor x) -> Tensor")
+_TEST_LIB.impl("returns_input", lambda x: x, "Meta")
+for _name in ("missing", "wrong_grad", "no_autograd"):
+    _TEST_LIB.impl(_name, lambda x, *rest: torch.empty_like(x), "Meta")
+torch.library.register_autograd(
+    "te_compile_checker_test::wrong_grad", lambda ctx, g: g[:1], lib=_TEST_LIB
+)
+_OPS = torch.ops.te_compile_checker_test
+
+
+@pytest.mark.parametrize(
+    "op,args,message",
+    [
+        (_OPS.missing.default, (), "missing value for argument 'n'"),
+        (_OPS.missing.default, (3, 4), "expected at most 2"),
+        (_OPS.returns_input.default, (), "is an input or a view"),
+        (_OPS.wrong_grad.default, (), "shape"),
+        (_OPS.no_autograd.default, (), "no autograd kernel"),
+    ],
+)
+def test_meta_opcheck_fails_where_it_must(op, args, message, fake_cuda):
+    x = torch.randn(8, 4, device="cuda", requires_grad=True)
+    with pytest.raises((AssertionError, RuntimeError), match=message):
+        opcheck_on_meta(op, (x, *args))
