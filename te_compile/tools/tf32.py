@@ -7,11 +7,10 @@ the `fp32_precision` properties (`torch.backends.cuda.matmul.fp32_precision`,
 state it reports as "you have used mix of the legacy and new APIs to set the TF32 status", and
 it raises that error wherever the legacy flags are read, inductor included.
 
-`configure_tf32` uses the `fp32_precision` properties where the installed torch has them and the
-legacy flags otherwise, never both, and returns which ("fp32_precision" or "allow_tf32"). Read
-the state back through the same API (`tf32_enabled()` does). Note: with the new API set to
-"tf32", torch (2.14 seen) raises on a read of the legacy matmul flag, by design: code that still
-reads `torch.backends.cuda.matmul.allow_tf32` must move to `fp32_precision`.
+`configure_tf32` uses the `fp32_precision` properties (every supported torch has them) unless
+asked for the legacy flags, never both, and returns which. Read the state back through the same
+API (`tf32_enabled()` does): with the new API set to "tf32", torch (2.14 seen) raises on a read
+of the legacy matmul flag, by design.
 
 TF32 does not change FP8 GEMMs (TE's cuBLASLt FP8 GEMMs accumulate in FP32 regardless); it
 changes FP32 matmuls and convolutions around them.
@@ -25,22 +24,9 @@ NEW_API = "fp32_precision"
 LEGACY_API = "allow_tf32"
 
 
-def tf32_api() -> str:
-    """The TF32 API this torch has: "fp32_precision" (torch >= 2.9) or "allow_tf32"."""
-    matmul = torch.backends.cuda.matmul
-    has_new = hasattr(torch.backends.cudnn, "conv") and hasattr(torch.backends.cudnn, "rnn")
-    try:
-        has_new = has_new and isinstance(matmul.fp32_precision, str)
-    except AttributeError:
-        has_new = False
-    return NEW_API if has_new else LEGACY_API
-
-
-def configure_tf32(enabled: bool = True, *, api: str | None = None) -> str:
+def configure_tf32(enabled: bool = True, *, api: str = NEW_API) -> str:
     """Allow (or forbid) TF32 for FP32 matmuls (cuBLAS) and cuDNN convolutions and RNNs, through
-    one API: `api` if given, else `tf32_api()`. Returns the API used. Works without a GPU (it
-    sets flags; nothing runs)."""
-    api = api or tf32_api()
+    one API (`api`). Returns the API used. Works without a GPU (it sets flags; nothing runs)."""
     backends = torch.backends
     if api == NEW_API:
         value = "tf32" if enabled else "ieee"
@@ -55,10 +41,9 @@ def configure_tf32(enabled: bool = True, *, api: str | None = None) -> str:
     return api
 
 
-def tf32_enabled(api: str | None = None) -> dict[str, bool]:
+def tf32_enabled(api: str = NEW_API) -> dict[str, bool]:
     """{"matmul": ..., "cudnn": ...}: whether TF32 is allowed, read through `api` (the one
-    configure_tf32 returned; default `tf32_api()`)."""
-    api = api or tf32_api()
+    configure_tf32 returned)."""
     backends = torch.backends
     if api == NEW_API:
         return {
