@@ -7,8 +7,10 @@ to the meta device (autograd runs there without a driver; on fake CUDA tensors i
 
 1. calls the op, which runs its fake kernel: the call is well-formed, and what comes back has
    the schema's return types, on the inputs' device, none of it an input or a view of one;
-2. where an input requires grad: the op has an autograd kernel, and the backward of its first
-   output runs and gives each input a gradient of that input's shape and dtype, or none;
+2. where an input requires grad: the op has an autograd kernel, and its backward formula, given
+   the gradient of the first output, returns one gradient per argument, each of its input's
+   shape and dtype or None (read from the formula itself: autograd casts a gradient to its
+   input's dtype and sums broadcast dimensions away before anyone else sees it);
 3. traces forward and backward with symbolic shapes (`make_fx(tracing_mode="symbolic")`), as
    AOTAutograd does with dynamic shapes: the fake kernels take SymInts.
 
@@ -35,7 +37,7 @@ def opcheck_on_meta(op: torch._ops.OpOverload, args: tuple, kwargs: dict | None 
             assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "Autograd"), (
                 f"{op.name()}: inputs require grad but the op has no autograd kernel"
             )
-            _check_grads(wanted, _backward(_first(out), wanted))
+            _check_formula_grads(op, args, kwargs, out)
         _trace_symbolic(op, args, kwargs)
 
 
@@ -72,11 +74,39 @@ def _backward(out: torch.Tensor, wanted: list[torch.Tensor]):
     return torch.autograd.grad(out, wanted, torch.ones_like(out), allow_unused=True)
 
 
-def _check_grads(wanted: list[torch.Tensor], grads) -> None:
-    assert any(g is not None for g in grads), "no input got a gradient"
-    for t, g in zip(wanted, grads, strict=True):
-        if g is not None:
-            assert (g.shape, g.dtype) == (t.shape, t.dtype), (g.shape, g.dtype, t.shape, t.dtype)
+def _check_formula_grads(op, args, kwargs, out) -> None:
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+    assert outs[0].grad_fn is not None, f"{op.name()}: its first result has no grad_fn"
+    grads = [torch.ones_like(outs[0]), *[None] * (len(outs) - 1)]
+    # The registered backward, unvalidated: one gradient per tensor of the op's arguments, list
+    # arguments flattened (torch.library's autograd wrapper), then Nones for the wrapper's own
+    # metadata arguments, which the zip below never reaches.
+    got = outs[0].grad_fn.apply(*grads)
+    some = False
+    for (name, t), g in zip(_flat_arguments(op, args, kwargs), got, strict=False):
+        if g is None:
+            continue
+        assert isinstance(t, torch.Tensor) and t.requires_grad, (
+            f"{op.name()}: a gradient for {name}, which needs none"
+        )
+        assert (g.shape, g.dtype) == (t.shape, t.dtype), (
+            f"{op.name()}: gradient of {name} is {tuple(g.shape)} {g.dtype}, "
+            f"the input {tuple(t.shape)} {t.dtype}"
+        )
+        some = True
+    assert some, f"{op.name()}: no input got a gradient"
+
+
+def _flat_arguments(op, args, kwargs):
+    """(name, value) per schema argument in order, a list of tensors one entry per tensor (as
+    autograd sees them); arguments left at their defaults at the end may be missing there."""
+    schema = op._schema.arguments
+    values = [*args, *(kwargs.get(a.name, a.default_value) for a in schema[len(args) :])]
+    for arg, value in zip(schema, values, strict=True):
+        if isinstance(value, list) and all(isinstance(t, torch.Tensor) for t in value):
+            yield from ((f"{arg.name}[{i}]", t) for i, t in enumerate(value))
+        else:
+            yield arg.name, value
 
 
 def _trace_symbolic(op, args, kwargs) -> None:

@@ -209,8 +209,11 @@ def test_checkpoint_core_attention(patched, graph_breaks):
             out = step(x)
         out.float().sum().backward()
     assert graph_breaks() == 0
-    # The region is the core attention alone; whether the partitioner recomputes it or keeps
-    # its output (which the projection's backward needs anyway) is its choice.
+    # The core attention is recomputed in backward, with the forward's RNG state (its dropout),
+    # and nothing else: no GEMM forward in the backward graph. (Without the option the forward
+    # calls te_compile::fused_attn_fwd itself and the backward has no RNG replay.)
+    assert "run_with_rng_state" in rec.targets(rec.bw), "core attention not recomputed"
+    assert "te_compile.fused_attn_fwd.default" not in rec.targets(rec.fw)
     assert not any(op in GEMM_FWD for op in te_ops(rec.bw)), "only the core attention"
 
 

@@ -80,9 +80,18 @@ _TEST_LIB.define("no_autograd(Tensor x) -> Tensor")
 _TEST_LIB.impl("returns_input", lambda x: x, "Meta")
 for _name in ("missing", "wrong_grad", "no_autograd"):
     _TEST_LIB.impl(_name, lambda x, *rest: torch.empty_like(x), "Meta")
-torch.library.register_autograd(
-    "te_compile_checker_test::wrong_grad", lambda ctx, g: g[:1], lib=_TEST_LIB
-)
+_TEST_LIB.define("float_grad(Tensor x) -> Tensor")
+_TEST_LIB.define("broadcast_grad(Tensor x) -> Tensor")
+for _name in ("float_grad", "broadcast_grad"):
+    _TEST_LIB.impl(_name, lambda x: torch.empty_like(x), "Meta")
+# backward formulas autograd would refuse (a shape it cannot sum to the input's) or silently
+# repair (a float32 gradient for a bfloat16 input; a leading dimension it sums away)
+for _name, _formula in [
+    ("wrong_grad", lambda ctx, g: g[:1]),
+    ("float_grad", lambda ctx, g: g.float()),
+    ("broadcast_grad", lambda ctx, g: g.unsqueeze(0).expand(3, *g.shape)),
+]:
+    torch.library.register_autograd(f"te_compile_checker_test::{_name}", _formula, lib=_TEST_LIB)
 _OPS = torch.ops.te_compile_checker_test
 
 
@@ -92,11 +101,13 @@ _OPS = torch.ops.te_compile_checker_test
         (_OPS.missing.default, (), "missing value for argument 'n'"),
         (_OPS.missing.default, (3, 4), "expected at most 2"),
         (_OPS.returns_input.default, (), "is an input or a view"),
-        (_OPS.wrong_grad.default, (), "shape"),
+        (_OPS.wrong_grad.default, (), "gradient of x is .1, 4."),
+        (_OPS.float_grad.default, (), "gradient of x is .8, 4. torch.float32"),
+        (_OPS.broadcast_grad.default, (), "gradient of x is .3, 8, 4."),
         (_OPS.no_autograd.default, (), "no autograd kernel"),
     ],
 )
 def test_meta_opcheck_fails_where_it_must(op, args, message, fake_cuda):
-    x = torch.randn(8, 4, device="cuda", requires_grad=True)
+    x = torch.randn(8, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises((AssertionError, RuntimeError), match=message):
         opcheck_on_meta(op, (x, *args))
