@@ -79,9 +79,10 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     if not dtype == inp.dtype == weight.dtype == torch.bfloat16:
         return "input, weight and activation dtypes not all bfloat16"
     dims = (_rows(inp), *weight.shape)
-    # (a dynamic dimension is tested too: dynamo guards on the answer)
+    # (a dynamic dimension is tested too: dynamo guards on the answer; the reason names no
+    # dimension, which may be symbolic: dynamo cannot test a string formatted from one)
     if not all(d % _ALIGN == 0 and d > 0 for d in dims):
-        return f"GEMM dimensions {dims} not multiples of {_ALIGN}"
+        return f"GEMM dimensions not all positive multiples of {_ALIGN}"
     return ""
 
 

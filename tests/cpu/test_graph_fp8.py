@@ -289,8 +289,7 @@ def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
 
 
 def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_breaks, monkeypatch):
-    """A dynamic batch dimension (multiples of 16) keeps the graph path; the guard on the
-    divisibility sends a non-multiple to a recompile, not to wrong code."""
+    """A dynamic batch dimension (multiples of 16) keeps the graph path (one graph)."""
     fake_gpu("hopper")
     monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     linear = _linear(monkeypatch, bias=False)
@@ -308,6 +307,45 @@ def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_brea
     assert graph_breaks() == 0
     assert len(rec.fw) == 1, "one dynamic graph for both row counts"
     assert sum("_scaled_mm" in t for t in rec.targets(rec.fw)) == 1
+
+
+MODULES = {
+    "Linear": lambda: te.Linear(64, 64, params_dtype=torch.bfloat16),
+    "LayerNormLinear": lambda: te.LayerNormLinear(64, 64, params_dtype=torch.bfloat16),
+    "LayerNormMLP": lambda: te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+@pytest.mark.parametrize("module", list(MODULES))
+def test_varying_row_counts_in_default_mode(module, recipe_name, patched, graph_breaks):
+    """Batches of 32, 48, 40 and 24 rows in torch.compile's default mode, as a loader of varying
+    lengths gives them: the second shape makes the rows dynamic, still on the graph path (one
+    recompile); 40 rows, no multiple of 16, fail that graph's divisibility guard and recompile
+    onto TE's kernels (until session 27 that trace broke: the graph path's reason string held
+    the symbolic row count); 24 reuses it."""
+    recipe = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling}[recipe_name]()
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8():
+        layer = MODULES[module]().cuda()
+        seq = torch.nn.Sequential(layer, torch.nn.GELU(), MODULES[module]().cuda())
+
+        def step(x):
+            with te.autocast(recipe=recipe):
+                return seq(x)
+
+        compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
+        for rows in (32, 48, 40, 24):
+            x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).float().sum().backward()
+            assert x.grad.shape == x.shape
+    assert graph_breaks() == 0
+    assert len(rec.fw) == 3, "a recompile per row count, or none for 40"
+    on_graph_path = [any("_scaled_mm" in t for t in rec.targets([gm])) for gm in rec.fw]
+    assert on_graph_path == [True, True, False]
+    assert any(
+        t.startswith("te_compile.") and t.endswith("_fwd.default") for t in rec.targets(rec.fw[2:])
+    )
 
 
 def test_split_parameters_and_return_bias_on_the_graph_path(patched, graph_breaks):
