@@ -125,6 +125,20 @@ def test_dpa_padding_mask_and_cu_seqlens(mask, patched, graph_breaks):
             lambda q, k, v: dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu), q, k, v
         )
     assert graph_breaks() == 0
+    # the given cu_seqlens are graph inputs the op reads (TE slices them to batch + 1); the
+    # padding mask's are computed from the mask in the graph
+    given = attn_node(rec2)
+    for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+        assert _unsliced(given[name]).op == "placeholder", name
+    assert given["attn_mask_type"] == mask
+    assert _unsliced(args["cu_seqlens_q"]).op == "call_function"
+
+
+def _unsliced(node):
+    """The node a graph value was sliced from (the value itself if it was not)."""
+    while str(node.target) == "aten.slice.Tensor":
+        node = node.args[0]
+    return node
 
 
 def test_dpa_dropout_training_and_eval(patched, graph_breaks):
