@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .spec import Spec, labelled, spec
+from .spec import Spec, constant_number, labelled, spec
 
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
@@ -221,9 +221,9 @@ class DelayedFields:
     def values_of(recipe) -> tuple:
         """The fields in declaration order, as a tuple: traced code builds no dataclass."""
         return (
-            recipe.margin,
+            constant_number(recipe.margin),
             recipe.fp8_format.name,
-            recipe.amax_history_len,
+            constant_number(recipe.amax_history_len),
             recipe.amax_compute_algo,
             recipe.reduce_amax,
             recipe.fp8_dpa,

@@ -62,7 +62,19 @@ def _encode(value, scalar: type, is_tuple: bool) -> str:
         return ",".join(_encode(v, scalar, False) for v in value)
     if scalar is bool:
         return str(int(bool(value)))
-    return repr(float(value)) if scalar is float else str(scalar(value))
+    if scalar is str:
+        return str(value)
+    number = constant_number(value)
+    return repr(float(number)) if scalar is float else str(int(number))
+
+
+def constant_number(value):
+    """`value`, an int or float read from a recipe or module while dynamo traces, as a constant.
+    Under torch.compile(dynamic=True) dynamo reads such numbers as symbolic ones, which repr,
+    str and assume_constant_result refuse; %-formatting one specializes it (a guard: another
+    value recompiles), on torch 2.11 and 2.14 alike."""
+    text = "%r" % (float(value),)  # noqa: UP031 (the one form dynamo specializes)
+    return float(text) if isinstance(value, float) else int(float(text))
 
 
 def _decode(raw: str, scalar: type, is_tuple: bool):

@@ -14,7 +14,7 @@ from transformer_engine.common import recipe as R
 import te_compile
 import te_compile.modules.linear as module_linear
 from te_compile.graph_fp8 import quantize
-from te_compile_testing import JointRecorder, graph_fp8
+from te_compile_testing import JointRecorder, graph_fp8, op_args
 
 FLT_MAX = np.finfo(np.float32).max
 
@@ -346,6 +346,39 @@ def test_varying_row_counts_in_default_mode(module, recipe_name, patched, graph_
     assert any(
         t.startswith("te_compile.") and t.endswith("_fwd.default") for t in rec.targets(rec.fw[2:])
     )
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed", "block"])
+def test_dynamic_true_on_tes_kernels(recipe_name, patched, graph_breaks):
+    """torch.compile(dynamic=True) makes a recipe's float fields symbolic (amax epsilon,
+    margin); the op config encodes TE's default 0.0 as a constant (a guard), so 40 and 56 rows
+    (no multiples of 16: TE's kernels) share one graph. Before session 27: 'tp_repr_impl not
+    implemented' (torch 2.14), 'repr with argument types float' (2.11)."""
+    recipe = {
+        "current": R.Float8CurrentScaling,
+        "delayed": R.DelayedScaling,
+        "block": R.Float8BlockScaling,
+    }[recipe_name]()
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"):
+        seq = torch.nn.Sequential(MODULES["Linear"]().cuda(), MODULES["LayerNormMLP"]().cuda())
+
+        def step(x):
+            with te.autocast(recipe=recipe):
+                return seq(x)
+
+        compiled = torch.compile(step, backend=rec.backend, fullgraph=True, dynamic=True)
+        for rows in (40, 56):
+            x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).float().sum().backward()
+    assert graph_breaks() == 0 and len(rec.fw) == 1
+    configs = [
+        op_args(n)["config"]
+        for gm in rec.fw
+        for n in gm.graph.nodes
+        if str(n.target).endswith("_fwd.default") and str(n.target).startswith("te_compile.")
+    ]
+    assert len(configs) == 2 and all(f"kind={recipe_name}" in c for c in configs), configs
 
 
 def test_split_parameters_and_return_bias_on_the_graph_path(patched, graph_breaks):
