@@ -107,7 +107,7 @@ def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float
     params = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
     return (
         tuple(bool(p.power_2_scale) for p in params),
-        tuple(float(p.amax_epsilon) for p in params),
+        tuple(float(constant_number(p.amax_epsilon)) for p in params),
     )
 
 
@@ -144,7 +144,7 @@ def for_linear(
             split_acc=_split_acc(recipe),
             fp8_transpose=fp8_transpose,
             amax_algo=recipe.amax_compute_algo,
-            margin=float(recipe.margin),
+            margin=float(constant_number(recipe.margin)),
             fused_update=fused_update,
             amax_group=amax_group,
         )
@@ -192,10 +192,13 @@ def for_linear(
             dtypes=(fwd, fwd, bwd),
             pow2=pow2,
             amax_eps=eps,
-            block_dims=(
-                recipe.x_block_scaling_dim,
-                recipe.w_block_scaling_dim,
-                recipe.grad_block_scaling_dim,
+            block_dims=tuple(
+                constant_number(d)
+                for d in (
+                    recipe.x_block_scaling_dim,
+                    recipe.w_block_scaling_dim,
+                    recipe.grad_block_scaling_dim,
+                )
             ),
             # TE's general_gemm forces the split accumulator for block-scaled operands.
             split_acc=(True, True, True),

@@ -11,6 +11,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..ops.attention import FusedAttnSpec
+from ..spec import constant_number
 from . import attention_backends as backends
 from . import attention_refusals as refusals
 from . import checkpointing, gemm_common
@@ -124,27 +125,29 @@ def _padded(given, cu_seqlens, batch: int, mask_type: str):
 
 def _backend_params(m, call, q, k, v, layout, batch, seqlens, mask, softcap) -> tuple:
     """TE's AttentionParams for this call as plain (name, value) pairs (backends.select_backend's
-    argument)."""
-    max_q, max_kv = seqlens
+    argument). Sizes are specialized (spec.constant_number): eager TE picks a backend per call
+    from the actual sizes, so a compiled graph holds for these sizes only (a dynamic batch or
+    sequence length recompiles per value, not into a backend picked for another)."""
+    max_q, max_kv = (constant_number(n) for n in seqlens)
     mask_type, window, diagonal = mask
     return (
         ("qkv_dtype", str(q.dtype).removeprefix("torch.")),
         ("qkv_layout", layout),
-        ("batch_size", batch),
-        ("num_heads", int(q.shape[-2])),
-        ("num_gqa_groups", int(k.shape[-2])),
+        ("batch_size", constant_number(batch)),
+        ("num_heads", constant_number(q.shape[-2])),
+        ("num_gqa_groups", constant_number(k.shape[-2])),
         ("max_seqlen_q", max_q),
         ("max_seqlen_kv", max_kv),
-        ("head_dim_qk", int(q.shape[-1])),
-        ("head_dim_v", int(v.shape[-1])),
+        ("head_dim_qk", constant_number(q.shape[-1])),
+        ("head_dim_v", constant_number(v.shape[-1])),
         ("attn_mask_type", mask_type),
-        ("window_size", window),
+        ("window_size", tuple(constant_number(w) for w in window)),
         ("bottom_right_diagonal", diagonal),
-        ("softcap", float(softcap)),
+        ("softcap", float(constant_number(softcap))),
         ("core_attention_bias_type", "no_bias"),
         ("core_attention_bias_requires_grad", False),
         ("pad_between_seqs", bool(call["pad_between_seqs"]) if call["pad_between_seqs"] else False),
-        ("attention_dropout", float(m.attention_dropout)),
+        ("attention_dropout", float(constant_number(m.attention_dropout))),
         ("cp_comm_type", m.cp_comm_type),
         ("deterministic", bool(m.deterministic)),
         ("is_training", bool(m.training)),
@@ -152,8 +155,8 @@ def _backend_params(m, call, q, k, v, layout, batch, seqlens, mask, softcap) -> 
         # together with fp8_dpa/fp8_mha, which check_dpa_options refused.
         ("fp8", False),
         ("softmax_type", m.softmax_type),
-        ("num_splits", int(call["num_splits"] or 1)),
-        ("softmax_scale", float(m.softmax_scale)),
+        ("num_splits", constant_number(call["num_splits"] or 1)),
+        ("softmax_scale", float(constant_number(m.softmax_scale))),
     )
 
 
