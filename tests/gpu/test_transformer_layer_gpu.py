@@ -229,3 +229,43 @@ def test_reduce_overhead_known_cudnn_graph_issue_named(patched):
         return
     with pytest.raises(UnsupportedUnderCompileError, match="multiple of 128"):
         steps("fused_qkv", "none", True, n=3, mode="reduce-overhead")
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_varying_sequence_length_matches_eager(recipe_name, patched):
+    """One layer over sequences of 64, 128, 96 and 64 tokens (default mode: a graph per length,
+    the last reused), compiled against eager TE on an identical layer, every output and
+    gradient bit-identical (eager's rounding in inductor's kernels, as `check`)."""
+    import torch._inductor.config as inductor_config
+
+    case = cases.LAYER_CASES["causal"]
+    seqs = (64, 128, 96, 64)
+
+    def run(compiled):
+        torch._dynamo.reset()
+        FGS.reset()
+        cases.reset_backend_choice()
+        layer = fresh_layer(case)
+        recipe = recipe_for(recipe_name)
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return layer(x)
+
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        records = []
+        for i, seq in enumerate(seqs):
+            g = torch.Generator(device="cpu").manual_seed(10 + i)
+            x = torch.randn(seq, cases.BATCH, cases.HIDDEN, generator=g)
+            x = x.to(device="cuda", dtype=case.dtype).requires_grad_()
+            out = fn(x)
+            out.backward(torch.randn_like(out))
+            rec = {"out": out, "dgrad": x.grad} | {k: p.grad for k, p in layer.named_parameters()}
+            records.append({k: v.detach().clone() for k, v in rec.items()})
+            layer.zero_grad(set_to_none=True)
+        return records
+
+    with inductor_config.patch(EAGER_ROUNDING):
+        want = run(False)
+        got = run(True)
+    assert_same(got, want)
