@@ -352,6 +352,19 @@ def test_graph_path_under_cuda_graphs_matches_default_mode(recipe):
         assert all(torch.equal(a, b) for a, b in zip(ours, ref, strict=True))
 
 
+_TRAINING_RECIPES = {
+    "current": R.Float8CurrentScaling,
+    "delayed": lambda: R.DelayedScaling(amax_history_len=4),
+}
+
+
+def _fresh_run():
+    """A run's fresh start: no compiled code, no FP8 global state, the same seed."""
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+
+
 @pytest.mark.parametrize(
     "shape", [(128, 256), (4, 32, 256), (4096, 4096)], ids=["2d", "3d", "large"]
 )
@@ -364,20 +377,14 @@ def test_one_linear_matches_eager_te(recipe, bias, shape):
     whose transposed copies are TE's transpose kernel's, made beside their GEMM
     (te_compile::scaled_mm_transposing)."""
     te_compile.patch()
-    make = {
-        "current": R.Float8CurrentScaling,
-        "delayed": lambda: R.DelayedScaling(amax_history_len=4),
-    }
 
     def run(compiled):
-        torch._dynamo.reset()
-        FGS.reset()
-        torch.manual_seed(0)
+        _fresh_run()
         linear = te.Linear(shape[-1], shape[-1], bias=bias, params_dtype=torch.bfloat16)
         if bias:
             with torch.no_grad():
                 linear.bias.normal_()
-        rec = make[recipe]()
+        rec = _TRAINING_RECIPES[recipe]()
 
         def fn(x):
             with te.autocast(recipe=rec):
@@ -422,20 +429,14 @@ def test_varying_rows_match_eager_te(recipe, dynamic):
     dynamic=True: symbolic recipe numbers specialized) against eager TE: every output, input
     and parameter gradient, and DelayedScaling's histories, bit-identical."""
     te_compile.patch()
-    make = {
-        "current": R.Float8CurrentScaling,
-        "delayed": lambda: R.DelayedScaling(amax_history_len=4),
-    }
 
     def run(compiled):
-        torch._dynamo.reset()
-        FGS.reset()
-        torch.manual_seed(0)
+        _fresh_run()
         model = torch.nn.Sequential(
             te.Linear(64, 64, params_dtype=torch.bfloat16),
             te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16),
         )
-        rec = make[recipe]()
+        rec = _TRAINING_RECIPES[recipe]()
 
         def fn(x):
             with te.autocast(recipe=rec):
