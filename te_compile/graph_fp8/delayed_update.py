@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .quantize import FP8_MAX
-
-_FLT_MAX = torch.finfo(torch.float32).max
+from .quantize import flt_max, fp8_max
 
 
 def applies(algo: str, margin: float, fused: bool) -> bool:
@@ -45,9 +43,9 @@ def updated(history, scale, last, algo: str, fp8: str, margin: float):
     else:
         amax = last
     amax = torch.where(changed, amax, torch.zeros_like(amax))
-    scaled_max = FP8_MAX[fp8] * 2.0**-margin
+    scaled_max = fp8_max(fp8) * 2.0**-margin
     amax64 = amax.double()
     quotient = (torch.full_like(amax64, scaled_max) / amax64).float()
     new_scale = torch.where(torch.isfinite(amax) & (amax > 0), quotient, scale)
     infinite = torch.isinf(new_scale)
-    return new_history, torch.where(infinite, torch.full_like(new_scale, _FLT_MAX), new_scale)
+    return new_history, torch.where(infinite, torch.full_like(new_scale, flt_max()), new_scale)

@@ -22,8 +22,21 @@ import torch
 
 from ..kernels.te_dtypes import TORCH_FP8
 
-FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
-_FLT_MAX = torch.finfo(torch.float32).max
+# Float constants are literals inside functions, not module globals: under
+# torch.compile(dynamic=True) dynamo reads a global float as a symbolic one, which then fails
+# inside the graph path's autograd.Functions (ints it keeps as constants).
+
+
+def fp8_max(fp8: str) -> float:
+    """The largest finite value of the FP8 format `fp8`."""
+    return 448.0 if fp8 == "e4m3" else 57344.0
+
+
+def flt_max() -> float:
+    """torch.finfo(torch.float32).max."""
+    return 3.4028234663852886e38
+
+
 _EXPONENT_MASK = -8388608  # 0xFF800000 as int32: sign and exponent bits of a float32
 _BF16_BITS = -65536  # 0xFFFF0000 as int32: the bits a bfloat16 keeps of a float32
 
@@ -52,8 +65,8 @@ def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) ->
     """TE's compute_scale_from_amax (current scaling: value_for_inf = FLT_MAX)."""
     amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
     amax64 = amax.double()  # tensor / tensor: a scalar numerator is traced as a reciprocal
-    scale = (torch.full_like(amax64, FP8_MAX[fp8]) / amax64).float()
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, _FLT_MAX), scale)
+    scale = (torch.full_like(amax64, fp8_max(fp8)) / amax64).float()
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, flt_max()), scale)
     one = torch.ones_like(scale)
     scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(amax), one, scale)
     if pow2:  # keep sign and exponent: the largest power of two not above the scale
@@ -69,7 +82,7 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
 
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
     """FP8 data of `x * scale` with TE's saturating, round-to-nearest-even conversion."""
-    limit = FP8_MAX[fp8]
+    limit = fp8_max(fp8)
     return (x.float() * scale).clamp(-limit, limit).to(TORCH_FP8[fp8])
 
 

@@ -167,12 +167,15 @@ def test_regional_compilation_one_graph_for_all_layers(recipe_name, patched, gra
     assert len(rec.fw) == 1 and len(rec.bw) == 1
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
 @pytest.mark.parametrize("recipe_name", ["none", "current", "delayed"])
-def test_varying_sequence_length_in_default_mode(recipe_name, patched, graph_breaks):
-    """Sequences of 16, 32, 24 and 40 tokens in torch.compile's default mode: one graph per
-    length (eager TE picks the attention backend per call from the actual sizes, so a graph
-    holds for its sizes only), never a break. Until session 27 the second length broke the
-    trace: the dynamic length reached the backend choice's constant-result function."""
+def test_varying_sequence_length(recipe_name, dynamic, patched, graph_breaks):
+    """Sequences of 16, 32, 24 and 40 tokens in torch.compile's default mode and with
+    dynamic=True: one graph per length (eager TE picks the attention backend per call from the
+    actual sizes, so a graph holds for its sizes only), never a break. Until session 27 the
+    second length broke the trace (the dynamic length reached the backend choice's
+    constant-result function), and dynamic=True broke the first (symbolic recipe, module and
+    global floats, the last inside the graph path's autograd.Function)."""
     recipe = {"none": None, "current": R.Float8CurrentScaling(), "delayed": R.DelayedScaling()}
     rec = JointRecorder()
     with te_compile.simulate_gpu("hopper"):
@@ -182,7 +185,7 @@ def test_varying_sequence_length_in_default_mode(recipe_name, patched, graph_bre
             with te.autocast(enabled=recipe_name != "none", recipe=recipe[recipe_name]):
                 return layer(x)
 
-        compiled = torch.compile(step, backend=rec.backend, fullgraph=True)
+        compiled = torch.compile(step, backend=rec.backend, fullgraph=True, dynamic=dynamic)
         for seq in (16, 32, 24, 40):
             x = torch.randn(seq, cases.BATCH, cases.HIDDEN, device="cuda", dtype=torch.bfloat16)
             compiled(x.requires_grad_()).float().sum().backward()

@@ -231,11 +231,13 @@ def test_reduce_overhead_known_cudnn_graph_issue_named(patched):
         steps("fused_qkv", "none", True, n=3, mode="reduce-overhead")
 
 
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
 @pytest.mark.parametrize("recipe_name", ["current", "delayed"])
-def test_varying_sequence_length_matches_eager(recipe_name, patched):
-    """One layer over sequences of 64, 128, 96 and 64 tokens (default mode: a graph per length,
-    the last reused), compiled against eager TE on an identical layer, every output and
-    gradient bit-identical (eager's rounding in inductor's kernels, as `check`)."""
+def test_varying_sequence_length_matches_eager(recipe_name, dynamic, patched):
+    """One layer over sequences of 64, 128, 96 and 64 tokens (a graph per length, the last
+    reused; default mode and dynamic=True), compiled against eager TE on an identical layer,
+    every output and gradient bit-identical (eager's rounding in inductor's kernels, as
+    `check`)."""
     import torch._inductor.config as inductor_config
 
     case = cases.LAYER_CASES["causal"]
@@ -252,7 +254,7 @@ def test_varying_sequence_length_matches_eager(recipe_name, patched):
             with te.autocast(recipe=recipe):
                 return layer(x)
 
-        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        fn = torch.compile(fn, fullgraph=True, dynamic=dynamic) if compiled else fn
         records = []
         for i, seq in enumerate(seqs):
             g = torch.Generator(device="cpu").manual_seed(10 + i)
