@@ -424,10 +424,14 @@ def test_one_linear_matches_eager_te(recipe, bias, shape):
 @pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
 @pytest.mark.parametrize("recipe", ["current", "delayed"])
 def test_varying_rows_match_eager_te(recipe, dynamic):
-    """A te.Linear and a LayerNormMLP over batches of 32, 48, 40 and 24 rows, compiled (default
-    mode: the graph path, then rows dynamic, then TE's kernels for the non-multiples of 16;
-    dynamic=True: symbolic recipe numbers specialized) against eager TE: every output, input
-    and parameter gradient, and DelayedScaling's histories, bit-identical."""
+    """A te.Linear and a LayerNormMLP trained over batches of 32, 48, 64 and 16 rows, then run
+    without grad over 40 and 24, compiled (default mode: the graph path, then rows dynamic, then
+    TE's kernels for the non-multiples of 16; dynamic=True: symbolic recipe numbers
+    specialized) against eager TE: every output, input and parameter gradient, and
+    DelayedScaling's histories, bit-identical. Training rows are multiples of 16: FP8 training
+    at 40 rows fails in eager TE's weight-gradient GEMM too (cuBLAS wants the token count, the
+    transposed operand's leading dimension, a multiple of 16), see
+    test_training_rows_not_multiple_of_16_fail_as_in_eager_te."""
     te_compile.patch()
 
     def run(compiled):
@@ -445,12 +449,15 @@ def test_varying_rows_match_eager_te(recipe, dynamic):
         fn = torch.compile(fn, fullgraph=True, dynamic=dynamic) if compiled else fn
         results = []
         torch.manual_seed(1)
-        for rows in (32, 48, 40, 24):
+        for rows in _TRAINING_ROWS:
             x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             y = fn(x)
             y.backward(torch.randn_like(y))
             results.append([y.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
             model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for rows in _INFERENCE_ROWS:
+                results.append([fn(torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16))])
         histories = [
             m.fp8_meta[d].amax_history.clone()
             for m in model
@@ -461,8 +468,38 @@ def test_varying_rows_match_eager_te(recipe, dynamic):
 
     ours, our_state = run(True)
     ref, ref_state = run(False)
-    for rows, a, b in zip((32, 48, 40, 24), ours, ref, strict=True):
+    for rows, a, b in zip(_TRAINING_ROWS + _INFERENCE_ROWS, ours, ref, strict=True):
         for i, (u, v) in enumerate(zip(a, b, strict=True)):
             assert torch.equal(u, v), f"{rows} rows, tensor {i}: max |diff| {(u - v).abs().max()}"
     for u, v in zip(our_state, ref_state, strict=True):
         assert torch.equal(u, v)
+
+
+_TRAINING_ROWS = (32, 48, 64, 16)
+_INFERENCE_ROWS = (40, 24)
+
+
+@pytest.mark.parametrize("recipe", ["current", "delayed"])
+def test_training_rows_not_multiple_of_16_fail_as_in_eager_te(recipe):
+    """40 rows pass TE's FP8 check (rows a multiple of 8) and the forward, then TE's
+    weight-gradient GEMM refuses them (cuBLAS's FP8 leading-dimension rule): compiled raises
+    as eager TE does, nothing silently computed (session 28, on an H100: the compiled run
+    raised this from LayerNormMLP's backward)."""
+    te_compile.patch()
+
+    def step(compiled):
+        _fresh_run()
+        model = te.LayerNormMLP(64, 128, params_dtype=torch.bfloat16)
+        rec = _TRAINING_RECIPES[recipe]()
+
+        def fn(x):
+            with te.autocast(recipe=rec):
+                return model(x)
+
+        fn = torch.compile(fn, fullgraph=True) if compiled else fn
+        y = fn(torch.randn(40, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True))
+        y.backward(torch.randn_like(y))
+
+    for compiled in (False, True):
+        with pytest.raises(RuntimeError, match="Leading dimension requirement"):
+            step(compiled)
