@@ -77,6 +77,10 @@ case "${PART:-all}" in
   2a) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py $g/test_step_memory_gpu.py) ;;
   2b) files=($g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
              $g/test_fp8_params_gpu.py) ;;
+  # PART=2b in two (session 28 on an H100: the TransformerLayer file alone ran 530 s and more,
+  # its four varying-length cases about 75 s each)
+  2c) files=($g/test_transformer_layer_gpu.py) ;;
+  2d) files=($g/test_attention_gpu.py $g/test_models_gpu.py $g/test_fp8_params_gpu.py) ;;
   # Per-tensor recipes' small GEMMs take the graph path by default: PART=3 runs their
   # cases once more on TE's kernels (graph_fp8=False).
   3) export TE_COMPILE_GRAPH_FP8=0
@@ -86,6 +90,9 @@ case "${PART:-all}" in
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
   # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
   graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_gpt_blocks_gpu.py) ;;
+  # PART=graph in two (session 28 on an H100: graph_fp8's two files over 530 s, the GPT blocks about 340 s)
+  graph1) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py) ;;
+  gpt) files=($g/test_gpt_blocks_gpu.py) ;;
   stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
   # PART=stack in parts of at most about 9 minutes each on an H100 (session 21's timings)
   checkpoint) files=($g/test_checkpoint_gpu.py) ;;
