@@ -1,0 +1,123 @@
+"""Where a compiled DelayedScaling TransformerLayer parts from eager TE over varying sequence
+lengths: a diagnosis table, one GPU (session 28's open failure).
+
+    python bench/varying_length_parity.py [--recipe delayed] [--orders 64,128:128,128:128,64]
+
+Session 28 (H100): tests/gpu/test_transformer_layer_gpu.py::test_varying_sequence_length_
+matches_eager[delayed-*] failed: one layer (attention_cases "causal": LayerNorm, GELU, biases)
+over 64, 128, 96, 64 tokens, step 0 bit-identical, step 1's output 0.0078 apart; current
+scaling passed, and DelayedScaling over a fixed length passes. On the CPU the second graph
+reads and updates the state in the same order as the first (helper's dump, closing note).
+
+Each row runs one compiled variant over a sequence order and compares with eager TE on the
+same order: per step, whether the output and every gradient are bit-identical (the first
+differing tensor and its max |diff|), and whether each module's DelayedScaling scales and
+histories after the step equal eager TE's. Variants: inductor with eager's rounding (as the
+test) or aot_eager (no inductor kernels); te_compile's default path or TE's kernels
+(graph_fp8=False). Reading it: a state that differs after step 0 is an update's fault; equal
+state and a differing step-1 output with aot_eager equal points at an inductor kernel's
+arithmetic on that data; a fixed order (128,128) failing says the length change is not needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch._inductor import config as inductor_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+import attention_cases as cases  # noqa: E402
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common import recipe as R  # noqa: E402
+from transformer_engine.pytorch import quantization as q  # noqa: E402
+
+import te_compile  # noqa: E402
+
+RECIPES = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling}
+
+
+def fresh_layer():
+    torch.manual_seed(0)
+    layer = cases.make_layer(cases.LAYER_CASES["causal"])
+    with torch.no_grad():  # as the test: biases and gammas off their defaults
+        for name, p in layer.named_parameters():
+            if "bias" in name or "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def state_of(layer) -> dict:
+    """Every TE GEMM module's DelayedScaling tensors, by module and direction."""
+    out = {}
+    for name, m in layer.named_modules():
+        meta = getattr(m, "fp8_meta", None) or {}
+        for d in ("scaling_fwd", "scaling_bwd"):
+            if d in meta and hasattr(meta[d], "scale"):
+                out[f"{name}.{d}.scale"] = meta[d].scale.clone()
+                out[f"{name}.{d}.amax_history"] = meta[d].amax_history.clone()
+    return out
+
+
+def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool = True) -> list:
+    """Per step ({out, dgrad, grads}, state after the step); backend None: eager TE."""
+    torch._dynamo.reset()
+    q.FP8GlobalStateManager.reset()
+    cases.reset_backend_choice()
+    te_compile.configure(graph_fp8=graph_fp8)
+    layer = fresh_layer()
+    rec = RECIPES[recipe]()
+
+    def fn(x):
+        with te.autocast(recipe=rec):
+            return layer(x)
+
+    if backend is not None:
+        fn = torch.compile(fn, fullgraph=True, backend=backend)
+    steps = []
+    for i, seq in enumerate(seqs):
+        g = torch.Generator(device="cpu").manual_seed(10 + i)
+        x = torch.randn(seq, cases.BATCH, cases.HIDDEN, generator=g)
+        x = x.to(device="cuda", dtype=torch.bfloat16).requires_grad_()
+        out = fn(x)
+        out.backward(torch.randn_like(out))
+        tensors = {"out": out, "dgrad": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
+        steps.append(({k: v.detach().clone() for k, v in tensors.items()}, state_of(layer)))
+        layer.zero_grad(set_to_none=True)
+    te_compile.configure(graph_fp8=True)
+    return steps
+
+
+def first_apart(got: dict, want: dict) -> str:
+    for key, w in want.items():
+        if not torch.equal(got[key], w):
+            return f"{key} {(got[key].float() - w.float()).abs().max().item():.3g}"
+    return "="
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="delayed", choices=sorted(RECIPES))
+    parser.add_argument("--orders", default="64,128:128,128:128,64")
+    args = parser.parse_args()
+    te_compile.patch()
+    orders = [tuple(int(s) for s in o.split(",")) for o in args.orders.split(":")]
+    variants = [("inductor", True), ("inductor", False), ("aot_eager", True)]
+    print("| order | backend | graph_fp8 | per step: first tensor apart / state |")
+    print("|---|---|---|---|")
+    with inductor_config.patch({"emulate_precision_casts": True}):
+        for seqs in orders:
+            want = run(args.recipe, seqs, None)
+            for backend, path in variants:
+                got = run(args.recipe, seqs, backend, path)
+                cells = [
+                    f"{first_apart(g_t, w_t)} / {first_apart(g_s, w_s)}"
+                    for (g_t, g_s), (w_t, w_s) in zip(got, want, strict=True)
+                ]
+                print(f"| {seqs} | {backend} | {path} | {' ; '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
