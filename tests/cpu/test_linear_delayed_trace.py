@@ -190,3 +190,30 @@ def test_changing_recipe_costs_one_recompile(meta_delayed):
     """Equal recipes reuse the graph; switching the recipe kind compiles once more."""
     rec = train_steps([R.Float8CurrentScaling(), R.Float8CurrentScaling(), R.DelayedScaling()])
     assert len(rec.fw) == 2
+
+
+def test_state_loaded_before_the_first_trace_is_kept(meta_delayed):
+    """Resuming from a checkpoint: `load_state_dict` on a fresh module (TE's set_extra_state:
+    init_fp8_meta_tensors, then copies into those tensors) before its first compiled step. The
+    trace adopts and registers those tensors, it makes none (tests/gpu/test_resume_gpu.py
+    compares the values with eager TE)."""
+    recipe = R.DelayedScaling(amax_history_len=4)
+    linear = make_linear()
+    # What set_extra_state does before its copies: the saved fp8_meta items, then the tensors.
+    linear.fp8_meta.update({"num_gemms": 1, "recipe": recipe})
+    linear.init_fp8_meta_tensors(recipe)
+
+    def state():
+        return [
+            getattr(linear.fp8_meta[d], name)
+            for d in ("scaling_fwd", "scaling_bwd")
+            for name in ("scale", "amax_history")
+        ]
+
+    loaded = state()
+    step = torch.compile(step_fn(linear, recipe), backend=JointRecorder().backend, fullgraph=True)
+    step(x_meta()).sum().backward()
+    assert all(a is b for a, b in zip(state(), loaded, strict=True))
+    key = FGS.get_key_in_buffer(True, recipe, None)
+    buffer = FGS.quantization_state.global_amax_history_buffer[key]
+    assert [h is loaded[1] for h in buffer] == [True]
