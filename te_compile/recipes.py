@@ -20,6 +20,14 @@ from .spec import Spec, constant_number, labelled, spec
 # Roles of the three quantized GEMM operands, in the order of the per-role lists below.
 ROLES = ("input", "weight", "grad")
 KINDS = ("none", "current", "block", "delayed", "mxfp8", "nvfp4")
+# TE's recipe class of each FP8 kind (te_compile.check's recipe names, error messages).
+RECIPE_CLASS_NAMES = {
+    "delayed": "DelayedScaling",
+    "current": "Float8CurrentScaling",
+    "block": "Float8BlockScaling",
+    "mxfp8": "MXFP8BlockScaling",
+    "nvfp4": "NVFP4BlockScaling",
+}
 _DTYPES = ("e4m3", "e5m2", "e2m1")  # e2m1: NVFP4's FP4
 
 # TE's split-accumulator defaults when the recipe has no fp8_gemm_* fields (module/base.py).

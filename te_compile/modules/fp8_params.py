@@ -46,17 +46,11 @@ import torch
 from ..graph_fp8 import weight as graph_weight
 from ..kernels.te_dtypes import te_fp8_dtype
 from ..patching import Swap
-from ..recipes import QuantConfig
+from ..recipes import RECIPE_CLASS_NAMES, QuantConfig
 from . import gemm_common, persistent_state
 
 CARRIER_ATTR = "_te_compile_grad_carrier"  # on an FP8 parameter: its GradCarrier
 KINDS = ("current", "delayed", "block")  # recipes whose FP8 parameters the compiled path reads
-
-_RECIPES = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "block": "Float8BlockScaling",
-}
 
 
 def _quantizer_class(kind: str) -> type:
@@ -159,7 +153,7 @@ def _check_weight(name: str, w, cfg: QuantConfig) -> None:
         # TE's _check_weight_tensor_recipe_correspondence raises for the same mismatch
         raise RuntimeError(
             f"{name}: recipe mismatch: the FP8 parameter's quantizer is a "
-            f"{type(quantizer).__name__}, which {_RECIPES[cfg.kind]} (the autocast's recipe) "
+            f"{type(quantizer).__name__}, which {RECIPE_CLASS_NAMES[cfg.kind]} (the autocast's recipe) "
             "does not use; check the recipes of quantized_model_init() and te.autocast()"
         )
     if _dtype_value(w._fp8_dtype) != _dtype_value(te_fp8_dtype(cfg.dtypes[1])):

@@ -33,6 +33,7 @@ import textwrap
 
 import torch
 
+from ..recipes import RECIPE_CLASS_NAMES
 from .check_modules import module_cases, recording
 from .check_trace import (
     BACKENDS,
@@ -45,14 +46,7 @@ from .check_trace import (
 )
 from .simulate import simulate_gpu, simulated_gpu
 
-_RECIPE_CLASSES = {
-    "delayed": "DelayedScaling",
-    "current": "Float8CurrentScaling",
-    "block": "Float8BlockScaling",
-    "mxfp8": "MXFP8BlockScaling",
-    "nvfp4": "NVFP4BlockScaling",
-}
-RECIPE_NAMES = ("none", *_RECIPE_CLASSES)
+RECIPE_NAMES = ("none", *RECIPE_CLASS_NAMES)
 
 
 def default_recipes(arch: str) -> tuple[str, ...]:
@@ -66,11 +60,11 @@ def make_recipe(name: str):
     """TE's recipe object with default arguments for a recipe name (None for "none")."""
     if name == "none":
         return None
-    if name not in _RECIPE_CLASSES:
+    if name not in RECIPE_CLASS_NAMES:
         raise ValueError(f"unknown recipe {name!r}; expected one of {', '.join(RECIPE_NAMES)}")
     from transformer_engine.common import recipe
 
-    return getattr(recipe, _RECIPE_CLASSES[name])()
+    return getattr(recipe, RECIPE_CLASS_NAMES[name])()
 
 
 def _recipe_label(recipe) -> str:
@@ -78,7 +72,7 @@ def _recipe_label(recipe) -> str:
         return "none"
     if isinstance(recipe, str):
         return recipe
-    names = {cls: name for name, cls in _RECIPE_CLASSES.items()}
+    names = {cls: name for name, cls in RECIPE_CLASS_NAMES.items()}
     return names.get(type(recipe).__name__, type(recipe).__name__)
 
 
