@@ -102,6 +102,14 @@ case "${PART:-all}" in
   # HF transformers + accelerate (skips without them: docs/gpu.md brings them as wheels);
   # about 2 minutes on an H100 (session 25)
   hf) files=($g/test_hf_gpu.py) ;;
+  # Not tests: the issue-20 benchmark at its two small shapes (bench/suite.py; torchao's stacks
+  # skip without torchao: docs/performance.md brings it as a wheel), and session 28's
+  # diagnosis of DelayedScaling over varying lengths. Each alone on its GPU (timings).
+  bench) "$py" bench/suite.py --shapes 1024x512x4x1,2048x1024x4x2 --json "$out/suite.json" \
+           --plots "$out" "$@" 2>&1 | tee "$out/bench.log"
+         exit "${PIPESTATUS[0]}" ;;
+  diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"
+        exit "${PIPESTATUS[0]}" ;;
   *) files=(tests) ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
