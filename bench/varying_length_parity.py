@@ -1,7 +1,7 @@
 """Where a compiled DelayedScaling TransformerLayer parts from eager TE over varying sequence
 lengths: a diagnosis table, one GPU (session 28's open failure).
 
-    python bench/varying_length_parity.py [--recipe delayed] [--orders 64,128:128,128:128,64]
+    python bench/varying_length_parity.py [--recipe delayed] [--orders 64,128:128,128:128,64:64,64,128]
 
 Session 28 (H100): tests/gpu/test_transformer_layer_gpu.py::test_varying_sequence_length_
 matches_eager[delayed-*] failed: one layer (attention_cases "causal": LayerNorm, GELU, biases)
@@ -100,7 +100,7 @@ def first_apart(got: dict, want: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="delayed", choices=sorted(RECIPES))
-    parser.add_argument("--orders", default="64,128:128,128:128,64")
+    parser.add_argument("--orders", default="64,128:128,128:128,64:64,64,128")
     args = parser.parse_args()
     te_compile.patch()
     orders = [tuple(int(s) for s in o.split(",")) for o in args.orders.split(":")]
