@@ -13,10 +13,11 @@ Each row runs one compiled variant over a sequence order and compares with eager
 same order: per step, whether the output and every gradient are bit-identical (the first
 differing tensor and its max |diff|), and whether each module's DelayedScaling scales and
 histories after the step equal eager TE's. Variants: inductor with eager's rounding (as the
-test) or aot_eager (no inductor kernels); te_compile's default path or TE's kernels
-(graph_fp8=False). Reading it: a state that differs after step 0 is an update's fault; equal
-state and a differing step-1 output with aot_eager equal points at an inductor kernel's
-arithmetic on that data; a fixed order (128,128) failing says the length change is not needed.
+test) or aot_eager (no inductor kernels); te_compile's default path (graph_fp8 None: the graph
+path for these small GEMMs) or TE's kernels (graph_fp8=False). Reading it: a state that
+differs after step 0 is an update's fault; equal state and a differing step-1 output with
+aot_eager equal points at an inductor kernel's arithmetic on that data; a fixed order
+(128,128) failing says the length change is not needed.
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def state_of(layer) -> dict:
     return out
 
 
-def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool = True) -> list:
-    """Per step ({out, dgrad, grads}, state after the step); backend None: eager TE."""
+def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool | None = None) -> list:
+    """Per step ({out, dgrad, grads}, state after the step); backend None: eager TE.
+    `graph_fp8`: te_compile's option (None, the default: the graph path for small GEMMs)."""
     torch._dynamo.reset()
     q.FP8GlobalStateManager.reset()
     cases.reset_backend_choice()
+    default = te_compile.configure().graph_fp8
     te_compile.configure(graph_fp8=graph_fp8)
     layer = fresh_layer()
     rec = RECIPES[recipe]()
@@ -86,7 +89,7 @@ def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool = True) -
         tensors = {"out": out, "dgrad": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
         steps.append(({k: v.detach().clone() for k, v in tensors.items()}, state_of(layer)))
         layer.zero_grad(set_to_none=True)
-    te_compile.configure(graph_fp8=True)
+    te_compile.configure(graph_fp8=default)
     return steps
 
 
@@ -104,7 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     te_compile.patch()
     orders = [tuple(int(s) for s in o.split(",")) for o in args.orders.split(":")]
-    variants = [("inductor", True), ("inductor", False), ("aot_eager", True)]
+    variants = [("inductor", None), ("inductor", False), ("aot_eager", None)]
     print("| order | backend | graph_fp8 | per step: first tensor apart / state |")
     print("|---|---|---|---|")
     with inductor_config.patch({"emulate_precision_casts": True}):
