@@ -18,6 +18,10 @@ path for these small GEMMs) or TE's kernels (graph_fp8=False). Reading it: a sta
 differs after step 0 is an update's fault; equal state and a differing step-1 output with
 aot_eager equal points at an inductor kernel's arithmetic on that data; a fixed order
 (128,128) failing says the length change is not needed.
+`inductor-static` turns off automatic dynamic shapes (each length a static graph, as step 0's):
+matching there puts the cause in the dynamic-shape code. Eager TE's own bias-dropout-add is a
+torch.compile'd function that recompiles for the new length too: run once more with
+NVTE_BIAS_DROPOUT_FUSION=0 in the environment to take it out of both sides.
 """
 
 from __future__ import annotations
@@ -78,7 +82,16 @@ def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool | None = 
             return layer(x)
 
     if backend is not None:
-        fn = torch.compile(fn, fullgraph=True, backend=backend)
+        fn = torch.compile(fn, fullgraph=True, backend=backend.removesuffix("-static"))
+    # "-static": no automatic dynamic shapes, so each length's graph is static like step 0's
+    static = backend is not None and backend.endswith("-static")
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=not static):
+        steps = _steps(fn, layer, seqs)
+    te_compile.configure(graph_fp8=default)
+    return steps
+
+
+def _steps(fn, layer, seqs) -> list:
     steps = []
     for i, seq in enumerate(seqs):
         g = torch.Generator(device="cpu").manual_seed(10 + i)
@@ -89,7 +102,6 @@ def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool | None = 
         tensors = {"out": out, "dgrad": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
         steps.append(({k: v.detach().clone() for k, v in tensors.items()}, state_of(layer)))
         layer.zero_grad(set_to_none=True)
-    te_compile.configure(graph_fp8=default)
     return steps
 
 
@@ -107,7 +119,12 @@ def main() -> None:
     args = parser.parse_args()
     te_compile.patch()
     orders = [tuple(int(s) for s in o.split(",")) for o in args.orders.split(":")]
-    variants = [("inductor", None), ("inductor", False), ("aot_eager", None)]
+    variants = [
+        ("inductor", None),
+        ("inductor-static", None),
+        ("inductor", False),
+        ("aot_eager", None),
+    ]
     print("| order | backend | graph_fp8 | per step: first tensor apart / state |")
     print("|---|---|---|---|")
     with inductor_config.patch({"emulate_precision_casts": True}):
