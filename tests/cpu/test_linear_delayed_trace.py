@@ -217,3 +217,30 @@ def test_state_loaded_before_the_first_trace_is_kept(meta_delayed):
     key = FGS.get_key_in_buffer(True, recipe, None)
     buffer = FGS.quantization_state.global_amax_history_buffer[key]
     assert [h is loaded[1] for h in buffer] == [True]
+
+
+def test_module_run_twice_updates_its_backward_state_twice(meta_delayed, graph_breaks):
+    """A known difference from eager TE (docs/training.md, docs/architecture.md): a te.Linear
+    applied twice in one step gets two backward ops, each handed the module's backward state
+    [scale, amax_history], which each records its gradient amax into and then updates (the
+    history rolls twice); eager TE merges both amaxes and updates once at the end of the
+    backward. When the batched update lands this test changes with the docs."""
+    recipe = R.DelayedScaling(amax_history_len=4)
+    linear = build_without_gpu(
+        lambda: te.Linear(IN, IN, params_dtype=torch.bfloat16, device="meta"), "meta"
+    )
+    rec = JointRecorder()
+
+    def step(x):
+        with te.autocast(recipe=recipe):
+            return linear(linear(x))
+
+    torch.compile(step, backend=rec.backend, fullgraph=True)(x_meta()).sum().backward()
+    assert graph_breaks() == 0 and len(rec.bw) == 1
+    bwd_ops = [
+        n
+        for n in rec.bw[0].graph.nodes
+        if "auto_functionalized" in str(n.target) and "linear_bwd" in str(n.args[0])
+    ]
+    assert len(bwd_ops) == 2
+    assert all(n.kwargs.get("_bwd_state_length") == 2 for n in bwd_ops)
