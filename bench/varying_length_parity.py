@@ -1,7 +1,8 @@
 """Where a compiled DelayedScaling TransformerLayer parts from eager TE over varying sequence
 lengths: a diagnosis table, one GPU (session 28's open failure).
 
-    python bench/varying_length_parity.py [--recipe delayed] [--orders 64,128:128,128:128,64:64,64,128]
+    python bench/varying_length_parity.py [--recipe delayed]
+        [--orders 64,128:128,128:128,64:64,64,128]
 
 Session 28 (H100): tests/gpu/test_transformer_layer_gpu.py::test_varying_sequence_length_
 matches_eager[delayed-*] failed: one layer (attention_cases "causal": LayerNorm, GELU, biases)
@@ -44,16 +45,6 @@ import te_compile  # noqa: E402
 RECIPES = {"delayed": R.DelayedScaling, "current": R.Float8CurrentScaling}
 
 
-def fresh_layer():
-    torch.manual_seed(0)
-    layer = cases.make_layer(cases.LAYER_CASES["causal"])
-    with torch.no_grad():  # as the test: biases and gammas off their defaults
-        for name, p in layer.named_parameters():
-            if "bias" in name or "layer_norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return layer
-
-
 def state_of(layer) -> dict:
     """Every TE GEMM module's DelayedScaling tensors, by module and direction."""
     out = {}
@@ -74,7 +65,7 @@ def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool | None = 
     cases.reset_backend_choice()
     default = te_compile.configure().graph_fp8
     te_compile.configure(graph_fp8=graph_fp8)
-    layer = fresh_layer()
+    layer = cases.fresh_layer(cases.LAYER_CASES["causal"])
     rec = RECIPES[recipe]()
 
     def fn(x):
@@ -92,17 +83,11 @@ def run(recipe: str, seqs: tuple, backend: str | None, graph_fp8: bool | None = 
 
 
 def _steps(fn, layer, seqs) -> list:
-    steps = []
-    for i, seq in enumerate(seqs):
-        g = torch.Generator(device="cpu").manual_seed(10 + i)
-        x = torch.randn(seq, cases.BATCH, cases.HIDDEN, generator=g)
-        x = x.to(device="cuda", dtype=torch.bfloat16).requires_grad_()
-        out = fn(x)
-        out.backward(torch.randn_like(out))
-        tensors = {"out": out, "dgrad": x.grad} | {n: p.grad for n, p in layer.named_parameters()}
-        steps.append(({k: v.detach().clone() for k, v in tensors.items()}, state_of(layer)))
-        layer.zero_grad(set_to_none=True)
-    return steps
+    states = []
+    records = cases.varying_length_records(
+        fn, layer, seqs, after_step=lambda m: states.append(state_of(m))
+    )
+    return list(zip(records, states, strict=True))
 
 
 def first_apart(got: dict, want: dict) -> str:

@@ -120,6 +120,38 @@ def make_layer(case: LayerCase, **extra):
     return te.TransformerLayer(HIDDEN, FFN, HEADS, device="cuda", **kwargs)
 
 
+def fresh_layer(case: LayerCase):
+    """make_layer from seed 0, its biases and norm weights moved off TE's 0 and 1, so that a
+    bug in their handling shows."""
+    torch.manual_seed(0)
+    layer = make_layer(case)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            if "bias" in name or "layer_norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return layer
+
+
+def varying_length_records(fn, layer, seqs, dtype=torch.bfloat16, after_step=None) -> list:
+    """Training steps of `fn` (`layer` under an autocast, compiled or not) over inputs of
+    `seqs` tokens each ([seq, BATCH, HIDDEN], from seeds 10, 11, ...), each backward of a random
+    gradient: per step {out, dgrad, every parameter's gradient}. `after_step(layer)` runs after
+    each step, before the gradients are cleared."""
+    records = []
+    for i, seq in enumerate(seqs):
+        g = torch.Generator(device="cpu").manual_seed(10 + i)
+        x = torch.randn(seq, BATCH, HIDDEN, generator=g).to(device="cuda", dtype=dtype)
+        x.requires_grad_()
+        out = fn(x)
+        out.backward(torch.randn_like(out))
+        rec = {"out": out, "dgrad": x.grad} | {k: p.grad for k, p in layer.named_parameters()}
+        records.append({k: v.detach().clone() for k, v in rec.items()})
+        if after_step is not None:
+            after_step(layer)
+        layer.zero_grad(set_to_none=True)
+    return records
+
+
 def padding_mask(seq: int = SEQ, batch: int = BATCH, pad: int = 5) -> torch.Tensor:
     """[b, 1, 1, s] bool, True = masked: the last `pad` tokens of sequence 0 are padding."""
     mask = torch.zeros(batch, 1, 1, seq, dtype=torch.bool, device="cuda")

@@ -153,8 +153,8 @@ def _check_weight(name: str, w, cfg: QuantConfig) -> None:
         # TE's _check_weight_tensor_recipe_correspondence raises for the same mismatch
         raise RuntimeError(
             f"{name}: recipe mismatch: the FP8 parameter's quantizer is a "
-            f"{type(quantizer).__name__}, which {RECIPE_CLASS_NAMES[cfg.kind]} (the autocast's recipe) "
-            "does not use; check the recipes of quantized_model_init() and te.autocast()"
+            f"{type(quantizer).__name__}, which {RECIPE_CLASS_NAMES[cfg.kind]} (the autocast's "
+            "recipe) does not use; check the recipes of quantized_model_init() and te.autocast()"
         )
     if _dtype_value(w._fp8_dtype) != _dtype_value(te_fp8_dtype(cfg.dtypes[1])):
         raise gemm_common.unsupported(

@@ -41,14 +41,7 @@ EAGER_ROUNDING = {"emulate_precision_casts": True}
 BF16_DEFAULT_BOUND = 2.0**-7
 
 
-def fresh_layer(case):
-    torch.manual_seed(0)
-    layer = cases.make_layer(case)
-    with torch.no_grad():  # TE initialises biases to 0 and gammas to 1: make bugs visible
-        for name, p in layer.named_parameters():
-            if "bias" in name or "layer_norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return layer
+fresh_layer = cases.fresh_layer
 
 
 def steps(case_name, recipe_name, compiled, *, n=1, mode=None, lr=0.0):
@@ -255,17 +248,7 @@ def test_varying_sequence_length_matches_eager(recipe_name, dynamic, patched):
                 return layer(x)
 
         fn = torch.compile(fn, fullgraph=True, dynamic=dynamic) if compiled else fn
-        records = []
-        for i, seq in enumerate(seqs):
-            g = torch.Generator(device="cpu").manual_seed(10 + i)
-            x = torch.randn(seq, cases.BATCH, cases.HIDDEN, generator=g)
-            x = x.to(device="cuda", dtype=case.dtype).requires_grad_()
-            out = fn(x)
-            out.backward(torch.randn_like(out))
-            rec = {"out": out, "dgrad": x.grad} | {k: p.grad for k, p in layer.named_parameters()}
-            records.append({k: v.detach().clone() for k, v in rec.items()})
-            layer.zero_grad(set_to_none=True)
-        return records
+        return cases.varying_length_records(fn, layer, seqs, case.dtype)
 
     with inductor_config.patch(EAGER_ROUNDING):
         want = run(False)
