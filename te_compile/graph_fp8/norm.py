@@ -5,9 +5,17 @@ records its amax); it never rounds it to bfloat16, and TE has no norm kernel wit
 output for bfloat16 input. The graph path therefore takes `mu` and `rsigma` from TE's own norm
 kernel (te_compile::norm_fwd: the same statistics, the bf16- and FP8-output kernels share their
 launch configurations) and recomputes the value as TE's `ln_fwd_kernels.cuh` and
-`rmsnorm_fwd_kernels.cuh` do: LayerNorm `rs * (x - mu)`, then `g * y + b` (one fused
-multiply-add; inductor contracts it as nvcc does); RMSNorm `rs * x`, then `g * y`; with
-zero-centered gamma `g + 1` first. Inductor fuses it into the amax and the cast.
+`rmsnorm_fwd_kernels.cuh` do: LayerNorm `rs * (x - mu)`, then `g * y + b`, which nvcc contracts
+into one fused multiply-add (rounded once); RMSNorm `rs * x`, then `g * y`; with zero-centered
+gamma `g + 1` first. Inductor fuses it into the amax and the cast.
+
+The multiply-add is computed in float64 and rounded to float32: the product of two floats is
+exact there, so the sum is rounded once, as the FMA's is (apart only where a float64 sum lands
+exactly on a float32 tie the exact sum was not on: never seen). In float32 the result would
+depend on whether the compiler contracts: eager PyTorch does not, nor did inductor's kernel in a
+TransformerLayer's graph (session 29), and a value a float32 step from an FP8 tie then casts
+to the neighbouring FP8 value (scaled -15.500001, to -16, where TE's kernel cast -15: a
+DelayedScaling layer one bf16 step off eager TE). tests/cpu/test_graph_fp8_norm.py.
 """
 
 from __future__ import annotations
@@ -28,4 +36,4 @@ def unrounded(x, gamma, beta, mu, rsigma, spec: NormSpec) -> torch.Tensor:
     if spec.normalization == "RMSNorm":
         return (x.float() * rs) * g
     y = (x.float() - mu.view(-1, 1)) * rs
-    return y * g + beta.detach().float()
+    return (y.double() * g.double() + beta.detach().double()).float()
