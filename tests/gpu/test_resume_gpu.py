@@ -54,14 +54,14 @@ def train(model, opt, recipe, first: int, n: int, compiled: bool) -> list:
 
     def step(x):
         with te.autocast(recipe=recipe):
-            return model(x).float().square().mean()
+            return model(x)
 
     fn = torch.compile(step, fullgraph=True) if compiled else step
     records = []
     for i in range(first, first + n):
         g = torch.Generator(device="cpu").manual_seed(100 + i)
         x = torch.randn(TOKENS, HIDDEN, generator=g).to("cuda", torch.bfloat16).requires_grad_()
-        loss = fn(x)
+        loss = fn(x).float().square().mean()  # outside: inductor would sum in another order
         loss.backward()
         records.append([loss.detach(), x.grad, *(p.grad.clone() for p in model.parameters())])
         opt.step()
@@ -91,7 +91,9 @@ def run(recipe_name: str, saved_compiled: bool, resumed_compiled: bool):
 
 @pytest.mark.parametrize("saved_compiled", [False, True], ids=["saved_eager", "saved_compiled"])
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_resumed_training_matches_eager_te(recipe_name, saved_compiled):
+def test_resumed_training_matches_eager_te(recipe_name, saved_compiled, monkeypatch):
+    # TE 2.20 refuses to unpickle DelayedScaling's extra state unless told the file is trusted
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "1")
     want = run(recipe_name, False, False)
     got = run(recipe_name, saved_compiled, True)
     for step, (a, b) in enumerate(zip(got[0], want[0], strict=True)):
