@@ -21,11 +21,11 @@ recipe), and what stands for it here (the norm before it is te_compile::norm_fwd
     bgrad_quantize(dact)                             linear.bias_grad, quantize_stored
     fc1 dgrad / wgrad GEMMs                          linear.dgrad / wgrad
 
-`gelu` is TE's formula (common/util/math.h) written operation for operation. Inductor
-compiles it to the float32 code nvcc makes of TE's (the same libdevice tanh, the same
-multiply-adds fused): on an H100 every one of the 65,536 bfloat16 inputs gives TE's float32
-result bit for bit (tests/gpu/test_graph_fp8_layers_gpu.py). Eagerly, without fused
-multiply-adds, a few differ: this path is for compiled graphs only. The GELU's gradient is
+`gelu` is TE's formula (common/util/math.h) written operation for operation, with the one
+multiply-add nvcc fuses rounded once (quantize.fused_multiply_add), and inductor's libdevice
+tanh: on an H100 every one of the 65,536 bfloat16 inputs gave TE's float32 result bit for bit
+(tests/gpu/test_graph_fp8_layers_gpu.py, when the fusion was left to inductor; eagerly, 6
+differed then). The GELU's gradient is
 TE's kernel: the same kind of formula compiled by inductor matched TE's on every input tried
 alone, yet a GPT trained on it parted from eager TE at the 4th step (ops/graph_path.py).
 
@@ -72,8 +72,12 @@ def applies(cfg: QuantConfig, activation: str, x, w1, w2, dtype) -> str:
 
 
 def gelu(v: torch.Tensor) -> torch.Tensor:
-    """TE's tanh GELU of float32 `v`."""
-    return v * (0.5 + 0.5 * torch.tanh(v * (0.79788456 + 0.03567741 * v * v)))
+    """TE's tanh GELU of float32 `v`, `v * (0.5 + 0.5 * tanhf(v * (0.79788456 + 0.03567741 * v *
+    v)))`, as nvcc compiles it for sm_90 (its SASS, session 29): `0.03567741 * v` rounded, then
+    one FMA with `v` and 0.79788456 (0.7978845834732056 as a float32); `0.5 + 0.5 * t` is an
+    FMA too, but `0.5 * t` is exact, so rounding it apart changes nothing."""
+    inner = quantize.fused_multiply_add(v, 0.03567741 * v, 0.7978845834732056)
+    return v * (0.5 + 0.5 * torch.tanh(v * inner))
 
 
 def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):

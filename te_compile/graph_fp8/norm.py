@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..spec import NormSpec
+from .quantize import fused_multiply_add
 
 
 def unrounded(x, gamma, beta, mu, rsigma, spec: NormSpec) -> torch.Tensor:
@@ -36,4 +37,4 @@ def unrounded(x, gamma, beta, mu, rsigma, spec: NormSpec) -> torch.Tensor:
     if spec.normalization == "RMSNorm":
         return (x.float() * rs) * g
     y = (x.float() - mu.view(-1, 1)) * rs
-    return (y.double() * g.double() + beta.detach().double()).float()
+    return fused_multiply_add(y, g, beta.detach().float())

@@ -80,6 +80,15 @@ def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     return (torch.ones_like(scale64) / scale64).float()
 
 
+def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
+    """float32 `a * b + c` rounded once, as the FMA nvcc makes of such a line in TE's kernels.
+    Computed in float64, where the product of two floats is exact, so that the rounding does not
+    depend on whether inductor contracts (it did in one graph and not in another: norm.py).
+    `c`: a tensor, or a float holding a float32 value."""
+    addend = c.double() if isinstance(c, torch.Tensor) else c
+    return (a.double() * b.double() + addend).float()
+
+
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
     """FP8 data of `x * scale` with TE's saturating, round-to-nearest-even conversion."""
     limit = fp8_max(fp8)
