@@ -168,3 +168,46 @@ def test_amax_and_scale_update_opcheck():
         torch.ops.te_compile.amax_and_scale_update.default,
         (histories, scales, "max", "e4m3", 0.0, True),
     )
+
+
+@pytest.mark.parametrize("head_first", [False, True], ids=["head_last", "head_first"])
+def test_eager_gemm_module_beside_compiled_ones_under_delayed(head_first, patched):
+    """One DelayedScaling autocast over a compiled block of two te.Linear and an eager te.Linear
+    before or after it, 3 AdamW steps: outputs, gradients and every module's DelayedScaling
+    state bit-identical to all-eager TE. The eager module claims TE's first-module flag and its
+    backward runs TE's update over every registered backward state, compiled modules' too; TE's
+    fused kernel leaves a history whose latest amax is 0 as it is, and a compiled module's own
+    update has zeroed that row, so nothing rolls twice (session 29, from TE's
+    delayed_scaling.cu; this test is its check)."""
+    bf16 = torch.bfloat16
+
+    def run(compiled: bool):
+        FGS.reset()
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        block = torch.nn.Sequential(*(te.Linear(64, 64, params_dtype=bf16) for _ in range(2)))
+        head = te.Linear(64, 64, params_dtype=bf16)
+        params = [*block.parameters(), *head.parameters()]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        body = torch.compile(block, fullgraph=True) if compiled else block
+        records = []
+        for i in range(3):
+            g = torch.Generator().manual_seed(100 + i)
+            x = torch.randn(32, 64, generator=g).to("cuda", bf16).requires_grad_()
+            with te.autocast(recipe=R.DelayedScaling(amax_history_len=4)):
+                y = body(head(x)) if head_first else head(body(x))
+            y.float().square().mean().backward()
+            records += [y.detach(), x.grad, *(p.grad.clone() for p in params)]
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        for m in (*block, head):
+            for d in ("scaling_fwd", "scaling_bwd"):
+                records += [m.fp8_meta[d].scale.clone(), m.fp8_meta[d].amax_history.clone()]
+        return records
+
+    want = run(False)
+    got = run(True)
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(a, b), f"tensor {i}: {(a.float() - b.float()).abs().max()}"
+    assert not torch.equal(want[-1][1], torch.zeros_like(want[-1][1]))  # histories moved
