@@ -61,7 +61,7 @@ def state_of(layer) -> dict:
     return out
 
 
-CAPTURED: list = []  # (module name, index, output) of the step running, with --modules
+CAPTURED: list = []  # ("module[output index]", tensor) of the running step, with --modules
 
 
 def capture_outputs(layer) -> None:
@@ -124,7 +124,8 @@ def _steps(fn, layer, seqs) -> list:
     return list(zip(records, states, strict=True))
 
 
-def first_apart(got: dict, want: dict) -> str:
+def tensors_apart(got: dict, want: dict) -> str:
+    """The first six tensors of `want` that `got` holds unequal, with their max |diff|."""
     # eager TE also sets up DotProductAttention's state, which no compiled module reads
     apart = [
         f"{key} {(got[key].float() - w.float()).abs().max().item():.3g}"
@@ -162,7 +163,7 @@ def main() -> None:
             for backend, path in variants:
                 got = run(args.recipe, seqs, backend, path, args.modules)
                 cells = [
-                    f"{first_apart(g_t, w_t)} / {first_apart(g_s, w_s)}"
+                    f"{tensors_apart(g_t, w_t)} / {tensors_apart(g_s, w_s)}"
                     for (g_t, g_s), (w_t, w_s) in zip(got, want, strict=True)
                 ]
                 print(f"| {seqs} | {backend} | {path} | {' ; '.join(cells)} |", flush=True)

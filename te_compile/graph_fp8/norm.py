@@ -9,13 +9,11 @@ launch configurations) and recomputes the value as TE's `ln_fwd_kernels.cuh` and
 into one fused multiply-add (rounded once); RMSNorm `rs * x`, then `g * y`; with zero-centered
 gamma `g + 1` first. Inductor fuses it into the amax and the cast.
 
-The multiply-add is computed in float64 and rounded to float32: the product of two floats is
-exact there, so the sum is rounded once, as the FMA's is (apart only where a float64 sum lands
-exactly on a float32 tie the exact sum was not on: never seen). In float32 the result would
-depend on whether the compiler contracts: eager PyTorch does not, nor did inductor's kernel in a
-TransformerLayer's graph (session 29), and a value a float32 step from an FP8 tie then casts
-to the neighbouring FP8 value (scaled -15.500001, to -16, where TE's kernel cast -15: a
-DelayedScaling layer one bf16 step off eager TE). tests/cpu/test_graph_fp8_norm.py.
+The multiply-add goes through quantize.fused_multiply_add (float64, rounded once), so that it
+does not depend on whether the compiler contracts: eager PyTorch does not, nor did inductor's
+kernel in a TransformerLayer's graph (session 29), and a value a float32 step from an FP8 tie
+then cast to the neighbouring FP8 value (scaled -15.500001, to -16, where TE's kernel cast -15:
+a DelayedScaling layer one bf16 step off eager TE). tests/cpu/test_graph_fp8_fma.py.
 """
 
 from __future__ import annotations
