@@ -70,7 +70,7 @@ case "${PART:-all}" in
   1) files=($g/test_linear_gpu.py $g/test_linear_options_gpu.py $g/test_linear_split_gpu.py
             $g/test_linear_training_gpu.py $g/test_autocast_gpu.py $g/test_cudagraphs_gpu.py
             $g/test_norm_gpu.py $g/test_tf32_capture_gpu.py $g/test_aten_gemm_gpu.py
-            $g/test_resume_gpu.py) ;;
+            $g/test_resume_gpu.py $g/test_deferred_update_gpu.py) ;;
   2) files=($g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_attention_gpu.py $g/test_models_gpu.py
             $g/test_fp8_params_gpu.py $g/test_step_memory_gpu.py) ;;

@@ -54,6 +54,16 @@ def is_patched() -> bool:
     return _PATCHER.active
 
 
+def flush_delayed_updates() -> None:
+    """Apply the DelayedScaling backward amax/scale updates that compiled modules leave to the
+    next autocast exit, so that `fp8_meta` holds what eager TE would hold after a backward.
+    Only code that reads the state directly between steps needs it (state_dict flushes each
+    module); with reduce_amax over several ranks, call it on every rank."""
+    from .delayed_updates import flush
+
+    flush()
+
+
 def doctor() -> str:
     """A short report of the environment: versions, GPU, recipe support, patch state."""
     from .tools.doctor import report
@@ -66,6 +76,7 @@ __all__ = [
     "unpatch",
     "is_patched",
     "doctor",
+    "flush_delayed_updates",
     "prepare",
     "simulate_gpu",
     "check",

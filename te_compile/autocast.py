@@ -15,7 +15,9 @@ What TE 2.20 does under `torch.compile`, and what the twins do instead:
   causes no recompile.
 - `FP8GlobalStateManager.reduce_and_update_fp8_tensors` calls pybind kernels. Twin: the same
   update as one custom op (`te_compile::amax_and_scale_update`) per buffer key, over the TE
-  GEMM modules' state in it (persistent_state.compiled_buffer_positions).
+  GEMM modules' state in it (persistent_state.compiled_buffer_positions). Eagerly, at the
+  outermost exit, it also runs the backward updates that compiled modules defer to an eager
+  autocast (delayed_updates.py); `autocast_enter`/`autocast_exit` record whether one is open.
 
 `autocast.__enter__/__exit__` themselves are TE's, unchanged: dynamo traces them into the twins.
 """
@@ -24,12 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import delayed_updates, ops
 from .aliases import swaps as alias_swaps
 from .errors import RecipeNotSupportedError, UnsupportedUnderCompileError
 from .modules import persistent_state
 from .patching import Swap
-from .recipes import unfused_update_requested
 
 # One recipe object per default choice, built on first use outside compiled code (recipe
 # construction reads environment defaults and is not something to trace).
@@ -128,7 +129,10 @@ def make_autocast_enter(original):
         cls, enabled=False, calibrating=False, fp8_recipe=None, fp8_group=None, _graph=False
     ) -> None:
         if not torch.compiler.is_compiling():
-            return original_fn(cls, enabled, calibrating, fp8_recipe, fp8_group, _graph)
+            original_fn(cls, enabled, calibrating, fp8_recipe, fp8_group, _graph)
+            if cls.quantization_state.autocast_depth == 1:  # the outermost: its exit updates
+                persistent_state.AUTOCAST_EAGER[0] = enabled
+            return
         if _graph:
             raise UnsupportedUnderCompileError(
                 "te.autocast(_graph=True) is TE's make_graphed_callables mode and is not "
@@ -151,69 +155,31 @@ def make_autocast_enter(original):
     return classmethod(autocast_enter)
 
 
+def make_autocast_exit(original):
+    original_fn = original.__func__
+
+    def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
+        original_fn(cls, enabled, _graph)  # traced as it is while compiling
+        if not torch.compiler.is_compiling() and cls.quantization_state.autocast_depth == 0:
+            persistent_state.AUTOCAST_EAGER[0] = False
+
+    return classmethod(autocast_exit)
+
+
 def make_reduce_and_update_fp8_tensors(original):
     original_fn = original.__func__
 
     def reduce_and_update_fp8_tensors(cls, forward: bool = True) -> None:
         if not torch.compiler.is_compiling():
-            return original_fn(cls, forward)
-        state = cls.quantization_state
-        direction = "forward" if forward else "backward"
-        for key, amax_buffer in state.global_amax_buffer.items():
-            is_forward, autocast_key = cls.split_key_in_buffer(key)
-            if is_forward != forward or len(amax_buffer) == 0:
-                continue
-            positions = persistent_state.compiled_buffer_positions(key)
-            if not positions:
-                continue
-            recipe, group = state.autocast_arguments[autocast_key]
-            histories = state.global_amax_history_buffer[key]
-            scales = state.global_scale_buffer[key]
-            _delayed_update(
-                recipe,
-                group,
-                [histories[i] for i in positions],
-                [scales[i] for i in positions],
-                direction,
-            )
+            original_fn(cls, forward)
+            # an eager outermost exit also runs the backward updates that modules compiled
+            # inside it left pending (delayed_updates.py)
+            if forward and delayed_updates.backward_pending():
+                delayed_updates.update_states(cls, forward=False, skip_unsupported=True)
+            return
+        delayed_updates.update_states(cls, forward)
 
     return classmethod(reduce_and_update_fp8_tensors)
-
-
-def _delayed_update(recipe, group, histories, scales, direction: str) -> None:
-    from transformer_engine.common.recipe import Format
-
-    if callable(recipe.amax_compute_algo) or callable(recipe.scaling_factor_compute_algo):
-        raise UnsupportedUnderCompileError(
-            "DelayedScaling with a callable amax_compute_algo or scaling_factor_compute_algo "
-            "is not supported under torch.compile (a Python callable cannot cross a custom-op "
-            "boundary); use amax_compute_algo='max' or 'most_recent', or run this step eagerly."
-        )
-    e4m3 = recipe.fp8_format == Format.E4M3 or (
-        recipe.fp8_format == Format.HYBRID and direction == "forward"
-    )
-    latest = None
-    if recipe.reduce_amax and _world_size(group) > 1:
-        # As eager TE: the latest amaxes of every registered tensor, concatenated, MAX-reduced
-        # over the group. Traced, dynamo makes this a functional collective in the graph.
-        latest = torch.cat([h[0] for h in histories])
-        torch.distributed.all_reduce(latest, op=torch.distributed.ReduceOp.MAX, group=group)
-    torch.ops.te_compile.amax_and_scale_update(
-        histories,
-        scales,
-        recipe.amax_compute_algo,
-        "e4m3" if e4m3 else "e5m2",
-        float(recipe.margin),
-        not unfused_update_requested(),
-        latest,
-    )
-
-
-def _world_size(group) -> int:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group=group)
 
 
 def swaps() -> list[Swap]:
@@ -225,12 +191,14 @@ def swaps() -> list[Swap]:
         Swap(q, "check_recipe_support", make_check_recipe_support(q.check_recipe_support)),
         Swap(q, "get_default_fp8_recipe", make_get_default_fp8_recipe(q.get_default_fp8_recipe)),
         Swap(manager, "autocast_enter", make_autocast_enter(vars(manager)["autocast_enter"])),
+        Swap(manager, "autocast_exit", make_autocast_exit(vars(manager)["autocast_exit"])),
         Swap(
             manager,
             "reduce_and_update_fp8_tensors",
             make_reduce_and_update_fp8_tensors(vars(manager)["reduce_and_update_fp8_tensors"]),
         ),
         *alias_swaps(),  # te.fp8_autocast, te.fp8_model_init: te_compile/aliases.py
+        *delayed_updates.swaps(),  # state_dict flushes a module's pending backward update
     ]
 
 

@@ -53,13 +53,15 @@ class QuantConfig(Spec):
     # NVFP4 only: random Hadamard transform (with post-RHT amax) and stochastic rounding.
     rht: tuple[bool, bool, bool] = (False, False, False)
     stochastic_rounding: tuple[bool, bool, bool] = labelled("sr", (False, False, False))
-    # DelayedScaling only: the amax/scale update the backward op runs on its own state
-    # (amax_compute_algo, margin, TE's fused kernel or its Python fallback).
+    # DelayedScaling only: the amax/scale update (amax_compute_algo, margin, TE's fused kernel
+    # or its Python fallback), and whether backward ops leave theirs to the autocast exit
+    # (`defers_backward_update`).
     amax_algo: str = labelled("algo", "max")
     margin: float = 0.0
     fused_update: bool = labelled("fused", True)
-    # DelayedScaling with reduce_amax over > 1 rank: the name of the group the backward update
-    # reduces amaxes over (kernels/process_groups.py); "" for none.
+    deferred_update: bool = labelled("defer", False)
+    # DelayedScaling with reduce_amax over > 1 rank: the name of the group a backward op's own
+    # update reduces amaxes over (kernels/process_groups.py; Python fallback only); "" for none.
     amax_group: str = labelled("group", "")
 
     def __post_init__(self) -> None:
@@ -75,6 +77,16 @@ class QuantConfig(Spec):
     @property
     def fp8(self) -> bool:
         return self.kind != "none"
+
+    @property
+    def defers_backward_update(self) -> bool:
+        """DelayedScaling under an eager autocast, with TE's fused update: backward ops only
+        merge their amaxes into history row 0, and the next outermost autocast exit updates every
+        module's backward state at once (te_compile/delayed_updates.py), as eager TE's one
+        update per backward does. Otherwise each backward op updates its own state: TE's Python
+        fallback rolls every history, and an autocast traced in the graph cannot update a state
+        that the backward graph writes."""
+        return self.kind == "delayed" and self.fused_update and self.deferred_update
 
     @property
     def per_tensor(self) -> bool:
@@ -120,11 +132,17 @@ def _qparams(recipe) -> tuple[tuple[bool, bool, bool], tuple[float, float, float
 
 
 def for_linear(
-    recipe, *, fp8_transpose: bool, fused_update: bool = True, amax_group: str = ""
+    recipe,
+    *,
+    fp8_transpose: bool,
+    fused_update: bool = True,
+    deferred_update: bool = False,
+    amax_group: str = "",
 ) -> QuantConfig:
     """The config te.Linear uses for `recipe` (None: no FP8). Only the recipe kinds in `KINDS`
     are handled here; the caller rejects the others first. `fused_update` is False where TE
-    runs its Python amax/scale update (NVTE_UNFUSED_FP8_UPDATE=1); `amax_group` names
+    runs its Python amax/scale update (NVTE_UNFUSED_FP8_UPDATE=1); `deferred_update` is True
+    under an autocast entered outside compiled code (QuantConfig.defers_backward_update); `amax_group` names
     DelayedScaling's amax reduction group."""
     from transformer_engine.common.recipe import (
         DelayedScaling,
@@ -154,6 +172,7 @@ def for_linear(
             amax_algo=recipe.amax_compute_algo,
             margin=float(constant_number(recipe.margin)),
             fused_update=fused_update,
+            deferred_update=deferred_update,
             amax_group=amax_group,
         )
     if isinstance(recipe, MXFP8BlockScaling):

@@ -203,8 +203,8 @@ class _LinearFunction(torch.autograd.Function):
     """DelayedScaling passes its tensors (`fwd_scale` a snapshot of TE's forward scales,
     `bwd_scale` and `bwd_history` TE's backward state): forward quantizes with the snapshot
     and returns the input's and weight's amaxes for the caller's history merge; backward
-    quantizes grad_output with the backward scale and updates the module's backward state at
-    its end (`update_backward_state`), as the TE-kernel path does.
+    quantizes grad_output with the backward scale and merges its amax into the module's
+    backward history (`update_backward_state`), as the TE-kernel path does.
     Per-tensor current scaling passes None for all three and gets an empty amax tensor."""
 
     @staticmethod
@@ -246,7 +246,7 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
-            scales = Scales.of(backward_scales(cfg, bwd_scale))  # read before the update below
+            scales = Scales.of(backward_scales(cfg, bwd_scale))
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
                 fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scales, cfg)
             else:
@@ -329,23 +329,31 @@ def _graph_updates(cfg: QuantConfig) -> bool:
 
 
 def backward_scales(cfg: QuantConfig, scale: torch.Tensor) -> torch.Tensor:
-    """The backward scales grad_output's cast reads, before `update_backward_state` writes them:
-    TE's tensor itself where the graph updates it (functionalized, the write comes after every
-    read), else a copy. Read in place before the op's update, inductor (torch 2.11) scheduled
-    the fused cast after the op's write and quantized with the new scale (H100: aot_eager
-    exact, inductor not)."""
-    return scale if _graph_updates(cfg) else torch.ops.te_compile.scale_snapshot(scale)
+    """The backward scales grad_output's cast reads: TE's tensor itself where nothing in the
+    backward writes it (the update deferred to the autocast exit) or the graph writes it
+    (functionalized, the write comes after every read), else a copy taken before the op's
+    update. Read in place before the op's update, inductor (torch 2.11) scheduled the fused
+    cast after the op's write and quantized with the new scale (H100: aot_eager exact,
+    inductor not)."""
+    if cfg.defers_backward_update or _graph_updates(cfg):
+        return scale
+    return torch.ops.te_compile.scale_snapshot(scale)
 
 
 def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:
     """Record the module's grad_output amaxes (one per GEMM, in GEMM order) into row 0 of TE's
-    backward history (max with what is there, as TE's cast records it) and run DelayedScaling's
-    update of the module's backward state: as graph operations (delayed_update.py) where they
-    are TE's arithmetic, else TE's kernel through te_compile's op."""
+    backward history, max with what is there, as TE's cast records it (a module used twice in
+    a step merges twice). Under an eager autocast that is all: its exit updates the state
+    (QuantConfig.defers_backward_update). Otherwise the module's own update runs here: as graph
+    operations (delayed_update.py) where they are TE's arithmetic, else TE's kernel."""
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
     slots = {delayed_slot("grad", gemm): a for gemm, a in enumerate(grad_amaxes)}
-    recorded = in_slots(history[0], slots)
-    latest = torch.maximum(history[0], recorded)
+    latest = torch.maximum(history[0], in_slots(history[0], slots))
+    if cfg.defers_backward_update:
+        # the whole tensor: a row's copy_ in a backward graph fails AOT autograd's partitioner
+        # (torch 2.11: "select_scatter was invalid, but is output")
+        history.copy_(torch.cat([latest[None], history[1:]]))
+        return
     if _graph_updates(cfg):
         new_history, new_scale = delayed_update.updated(
             history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin

@@ -36,8 +36,8 @@ graph_fp8/norm.py), the GELU's (`tex.gelu` with a Float8Quantizer) and the GELU 
 (`tex.dbias_dgelu`, which also sums FC1's dbias, with or without a bias). Here the first two
 are cast from the same float32 values in the graph; the third, and FC2's grad_output with a
 bias, come from TE's fused kernels (te_compile::delayed_grad_quantize), whose order of
-additions only they have. The module's backward state is updated at the end of its backward,
-as te.Linear's.
+additions only they have. The backward merges its amaxes into the module's backward history,
+as te.Linear's does.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales: linear.Scales, cfg: Q
 
 class _MLPFunction(torch.autograd.Function):
     """DelayedScaling passes `fwd_scale` (a snapshot of TE's forward scales), `bwd_scale` and
-    `bwd_history` (TE's backward state, updated at the end of backward) and `x_value` (the
+    `bwd_history` (TE's backward state: backward merges its amaxes into row 0) and `x_value` (the
     norm's float32 value, cast in place of `x`); the forward then also returns the amaxes of the
     forward slots for the caller's history merge (an empty tensor otherwise)."""
 
@@ -154,7 +154,7 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scales = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))  # before the update
+            scales = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))
             if ctx.biases[1]:
                 db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scales, cfg, _FC2)
             else:

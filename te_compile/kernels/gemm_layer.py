@@ -11,7 +11,7 @@ activations).
   backward will read as plain tensors (fp8_operands.py).
 - `backward`: grad_output quantization with dbias, dgrad and wgrad GEMMs (into main_grad under
   fuse_wgrad_accumulation), from the saved parts; `update_backward_state` is DelayedScaling's
-  backward amax/scale update of one module's state.
+  backward amax/scale update of one module's state (deferred to the exit of an eager autocast).
 
 Everything here runs inside real op kernels only; `fake_saved_parts` is the fake-kernel twin
 of what `forward` saves. Arguments are those eager TE's `_linear_forward_impl` /
@@ -363,11 +363,11 @@ def backward_state(cfg: QuantConfig, bwd_state: list):
 
 
 def update_backward_state(cfg: QuantConfig, bwd_state: list) -> None:
-    """DelayedScaling's backward amax/scale update of one module's state (none without it).
-    Eager TE updates every registered backward state once, at the end of the first FP8
-    module's backward; per (history, scale) pair that is this update at the end of the module's
-    own backward (see docs/architecture.md for when the two differ)."""
-    if not bwd_state:
+    """DelayedScaling's backward amax/scale update of one module's state, at the end of its
+    backward op. Under an eager autocast the grad_output cast's amax merge into history row 0
+    is all, and the autocast's next exit updates every state at once
+    (QuantConfig.defers_backward_update)."""
+    if not bwd_state or cfg.defers_backward_update:
         return
     amax_and_scale_update(
         [bwd_state[1]],

@@ -87,7 +87,7 @@ def single_backward(
 ):
     """`backward` of a one-GEMM op from its `parts` (the input's column-wise half first, then the
     weight's) and `bwd_state` ([scale, amax_history] or []), computing what `grads` asks, then
-    DelayedScaling's backward update of that state. `hp_operands`: the forward's
+    DelayedScaling's backward update of that state (gemm_layer.update_backward_state). `hp_operands`: the forward's
     high-precision (x, weight, bias), read without FP8 only."""
     x, weight, bias = hp_operands
     result = backward(

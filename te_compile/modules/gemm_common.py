@@ -84,6 +84,7 @@ def quant_config(name: str, recipe) -> QuantConfig:
         recipe,
         fp8_transpose=fp8_transpose_layout(),
         fused_update=not unfused_update_requested(),
+        deferred_update=persistent_state.autocast_is_eager(),
         amax_group=amax_group,
     )
 
@@ -257,9 +258,10 @@ def delayed_state(m, recipe) -> tuple[list, list]:
         persistent_state.reinit_delayed_state(id(m), fields)  # made for another recipe
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
-    # backward update of every registered state; each compiled module updates its own state at
-    # the end of its backward instead, so it never claims TE's `is_first_fp8_module` flag: a
-    # Python write inside traced code is a side effect torch.utils.checkpoint refuses.
+    # backward update of every registered state; compiled modules leave theirs to the next
+    # autocast exit (QuantConfig.defers_backward_update), so they never claim TE's
+    # `is_first_fp8_module` flag: a Python write inside traced code is a side effect
+    # torch.utils.checkpoint refuses.
     return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
 
 

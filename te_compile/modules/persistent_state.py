@@ -54,6 +54,10 @@ _SCANS = [0]  # scans of the garbage collector's objects so far
 # order; dead modules drop out). Values unused.
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SCANNED = [False]  # whether the modules made before this patch() were added
+_DELAYED_TRACED = [False]  # whether a compiled module's DelayedScaling state was ensured
+# Whether an autocast entered outside compiled code is open (the autocast twins keep it): then
+# compiled modules inside it defer their backward DelayedScaling update to its exit.
+AUTOCAST_EAGER = [False]
 
 
 def _module_classes() -> tuple:
@@ -195,6 +199,7 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
     marked): registering a module of another model would make compiled code mutate tensors it
     cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
     mutated input)."""
+    _DELAYED_TRACED[0] = True
     if all(getattr(m, DELAYED_ATTR, None) is not None for m in _modules(prepared)):
         return True  # every trace after the first: nothing to create
     recipe = DelayedFields(*fields).recipe()
@@ -206,6 +211,20 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
     for module in _modules(prepared):
         _ensure_delayed(module, fields, recipe)
     return True
+
+
+def autocast_is_eager() -> bool:
+    """Traced: whether the FP8 autocast around this code was entered outside compiled code (a
+    guard on a plain bool). Its exit is then eager, and can run the backward update compiled
+    modules defer to it; an autocast traced in the same graph cannot (AOT autograd refuses a
+    tensor mutated both in the forward graph, by the exit, and in the backward graph)."""
+    return AUTOCAST_EAGER[0]
+
+
+def delayed_state_traced() -> bool:
+    """Whether a compiled module has used DelayedScaling state in this process (then autocast
+    exits outside compiled code apply the backward updates compiled modules defer to them)."""
+    return _DELAYED_TRACED[0]
 
 
 def _ensure_delayed(module, fields: tuple, recipe) -> None:

@@ -209,8 +209,8 @@ def layernorm_mlp_bwd(
     input or the norm's parameters (FC1 dgrad and the norm backward run). `saved` holds every
     group of the forward's save flags (layernorm_mlp_layout.py). Weights are passed without FP8
     only (FP8 operands come from `saved`); biases always (their presence decides TE's dbias
-    work). DelayedScaling: `bwd_state` = [scale, amax_history] of TE's backward slots, updated
-    at the end."""
+    work). DelayedScaling: `bwd_state` = [scale, amax_history] of TE's backward slots, as
+    linear_bwd's."""
     cfg, n, m = QuantConfig.from_key(config), NormSpec.from_key(norm), MLPSpec.from_key(mlp)
     f = layout.MLPFlags.from_key(flags)
     out_dtype = grad_out.dtype

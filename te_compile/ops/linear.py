@@ -121,7 +121,8 @@ def linear_bwd(
     `inp`/`weight`/`bias` are the forward inputs (the bias only flags the dbias fused into the
     wgrad GEMM); with FP8 they are None and `parts` carry the operands: the input's column-wise
     half (`grads.input_parts` tensors), then the weight's. `bwd_state`: DelayedScaling's
-    [scale, amax_history] of the backward slots, updated at the end (empty for other recipes).
+    [scale, amax_history] of the backward slots, grad_output's amax merged into row 0 (the
+    update: gemm_layer.update_backward_state) (empty for other recipes).
     With `main_grad` (fuse_wgrad_accumulation) the wgrad GEMM writes into it, adding to its
     contents when `grads.accumulate`, and the returned wgrad is empty."""
     cfg = QuantConfig.from_key(config)

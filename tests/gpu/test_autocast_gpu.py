@@ -13,6 +13,7 @@ from conftest import RECIPE_GENERATION, recipe_instances
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
+import te_compile
 from te_compile_testing import InductorRecorder
 from te_compile_testing import recipe_supported as supported
 
@@ -176,9 +177,9 @@ def test_eager_gemm_module_beside_compiled_ones_under_delayed(head_first, patche
     before or after it, 3 AdamW steps: outputs, gradients and every module's DelayedScaling
     state bit-identical to all-eager TE. The eager module claims TE's first-module flag and its
     backward runs TE's update over every registered backward state, compiled modules' too; TE's
-    fused kernel leaves a history whose latest amax is 0 as it is, and a compiled module's own
-    update has zeroed that row, so nothing rolls twice (session 29, from TE's
-    delayed_scaling.cu; this test is its check)."""
+    fused kernel leaves a history whose latest amax is 0 as it is, so whichever of that update
+    and the autocast exit's (where compiled modules leave theirs) comes first, each history
+    rolls once a step (TE's delayed_scaling.cu; this test is its check)."""
     bf16 = torch.bfloat16
 
     def run(compiled: bool):
@@ -200,6 +201,7 @@ def test_eager_gemm_module_beside_compiled_ones_under_delayed(head_first, patche
             records += [y.detach(), x.grad, *(p.grad.clone() for p in params)]
             opt.step()
             opt.zero_grad(set_to_none=True)
+        te_compile.flush_delayed_updates()  # what compiled modules left to the exit
         for m in (*block, head):
             for d in ("scaling_fwd", "scaling_bwd"):
                 records += [m.fp8_meta[d].scale.clone(), m.fp8_meta[d].amax_history.clone()]
@@ -210,4 +212,5 @@ def test_eager_gemm_module_beside_compiled_ones_under_delayed(head_first, patche
     assert len(got) == len(want)
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(a, b), f"tensor {i}: {(a.float() - b.float()).abs().max()}"
-    assert not torch.equal(want[-1][1], torch.zeros_like(want[-1][1]))  # histories moved
+    for history in want[-9], want[-5]:  # the block's backward histories hold amaxes
+        assert history.abs().sum() > 0

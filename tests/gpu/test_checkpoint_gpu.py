@@ -28,6 +28,8 @@ from conftest import example_models, recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
+import te_compile
+
 pytestmark = pytest.mark.gpu
 
 M = example_models()
@@ -52,6 +54,7 @@ def te_modules(model):
 
 
 def delayed_state(model) -> list[torch.Tensor]:
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     out = []
     for m in te_modules(model):
         for key in ("scaling_fwd", "scaling_bwd"):

@@ -25,6 +25,8 @@ from conftest import example_models, recipe_for, skip_unless_supported
 from torch._dynamo.utils import counters
 from transformer_engine.pytorch import quantization as q
 
+import te_compile
+
 pytestmark = pytest.mark.gpu
 
 M = example_models()
@@ -110,6 +112,7 @@ def run_sequence(name: str, recipe, compiled: bool, graphs: bool = True):
     for mode, steps in SEQUENCES[name]:
         loop.run(mode if graphs or mode != "reduce-overhead" else "default", steps)
     torch.cuda.synchronize()
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     state = [p.detach().clone() for p in loop.model.parameters()]
     for m in loop.model.modules():
         meta = getattr(m, "fp8_meta", {})

@@ -33,6 +33,7 @@ from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 from transformer_engine.pytorch.quantized_tensor import QuantizedTensor
 
+import te_compile
 from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
@@ -148,6 +149,7 @@ def state(model) -> dict[str, torch.Tensor]:
             out[name] = p.detach().clone()
         if p.grad is not None:
             out[f"{name}.grad"] = p.grad.detach().clone()
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     for name, m in model.named_modules():
         if isinstance(m, te.DotProductAttention):
             continue  # eager TE makes its (unused without fp8_dpa) state; compiled code never reads it

@@ -275,6 +275,7 @@ def _train(
         else:
             fn = torch.compile(step, backend=backend, fullgraph=True) if compiled else step
         losses, grads = _steps(fn, model, opt, steps, cudagraphs=mode == "reduce-overhead")
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     metas = [
         layer.fp8_meta.get(d) for layer in model.layers for d in ("scaling_fwd", "scaling_bwd")
     ]
@@ -402,6 +403,7 @@ def test_one_linear_matches_eager_te(recipe, bias, shape):
                 if bias:
                     results[-1].append(linear.bias.grad.clone())
                 linear.zero_grad(set_to_none=True)
+        te_compile.flush_delayed_updates()  # what compiled modules left to the exit
         meta = linear.fp8_meta
         state = [
             meta[d].amax_history.clone()
@@ -458,6 +460,7 @@ def test_varying_rows_match_eager_te(recipe, dynamic):
         with torch.no_grad():
             for rows in _INFERENCE_ROWS:
                 results.append([fn(torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16))])
+        te_compile.flush_delayed_updates()  # what compiled modules left to the exit
         histories = [
             m.fp8_meta[d].amax_history.clone()
             for m in model

@@ -17,6 +17,7 @@ from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 from transformer_engine.pytorch.tensor.float8_tensor import Float8CurrentScalingQuantizer
 
+import te_compile
 from te_compile.graph_fp8 import mlp
 from te_compile_testing import graph_fp8
 
@@ -152,6 +153,7 @@ def _fresh(seed: int = 0) -> None:
 
 def _delayed_state(m) -> list:
     """TE's amax histories and scales of both directions (DelayedScaling)."""
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     metas = (m.fp8_meta[key] for key in ("scaling_fwd", "scaling_bwd"))
     return [t.clone() for meta in metas for t in (meta.amax_history, meta.scale)]
 

@@ -16,6 +16,7 @@ from conftest import recipe_for, skip_unless_supported
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
+import te_compile
 from te_compile_testing import InductorRecorder
 
 pytestmark = pytest.mark.gpu
@@ -210,6 +211,7 @@ def delayed_training(compiled: bool, steps: int = 10):
         out.backward(torch.randn_like(out))
         opt.step()
         opt.zero_grad()
+        te_compile.flush_delayed_updates()  # what compiled modules left to the exit
         fwd, bwd = linear.fp8_meta["scaling_fwd"], linear.fp8_meta["scaling_bwd"]
         state = (fwd.amax_history, fwd.scale, bwd.amax_history, bwd.scale, linear.weight)
         record.append([out.detach(), x.grad] + [t.detach().clone() for t in state])
@@ -256,6 +258,7 @@ def test_nested_recipes_per_layer_match_eager(patched):
         out = fn(x)
         out.backward(torch.randn_like(out))
         grads = [p.grad for layer in layers for p in layer.parameters()]
+        te_compile.flush_delayed_updates()  # what compiled modules left to the exit
         meta = layers[0].fp8_meta
         state = [meta["scaling_fwd"].amax_history, meta["scaling_bwd"].amax_history]
         return [out.detach(), x.grad, *grads, *state], backend.graphs

@@ -138,6 +138,7 @@ def _delayed_state(linear):
     meta = getattr(linear, "fp8_meta", {})
     if not hasattr(meta.get("scaling_fwd"), "amax_history"):
         return []  # not DelayedScaling
+    te_compile.flush_delayed_updates()  # what compiled modules left to the exit
     return [meta[k].amax_history.clone() for k in ("scaling_fwd", "scaling_bwd")] + [
         meta[k].scale.clone() for k in ("scaling_fwd", "scaling_bwd")
     ]

@@ -1,0 +1,132 @@
+"""DelayedScaling's backward update deferred to an eager autocast's exit (te_compile/
+delayed_updates.py), traced on CPU with a pretend Hopper: which graph holds which update, and
+when the deferral applies. Numerics against eager TE: tests/gpu/test_deferred_update_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformer_engine.pytorch as te
+from transformer_engine.common import recipe as R
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
+
+import te_compile
+from te_compile.modules import persistent_state
+from te_compile.recipes import QuantConfig
+from te_compile_testing import JointRecorder, graph_fp8, op_args, te_op_nodes
+
+UPDATE = "te_compile.amax_and_scale_update.default"
+SNAPSHOT = "te_compile.scale_snapshot.default"
+
+
+def _two_layers(kind: str):
+    bf16 = torch.bfloat16
+    if kind == "Linear":
+        return torch.nn.Sequential(*(te.Linear(64, 64, params_dtype=bf16) for _ in range(2)))
+    return torch.nn.Sequential(
+        te.LayerNormMLP(64, 128, params_dtype=bf16), te.Linear(64, 64, params_dtype=bf16)
+    )
+
+
+def _trace(kind: str, graph_path: bool, autocast_inside: bool):
+    """One fwd+bwd of two TE modules under DelayedScaling: the recorder, and the second module's
+    backward history after it."""
+    rec = JointRecorder()
+    recipe = R.DelayedScaling(amax_history_len=4)
+    with te_compile.simulate_gpu("hopper"), graph_fp8(graph_path):
+        torch.manual_seed(0)
+        model = _two_layers(kind)
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if autocast_inside:
+
+            def fn(x):
+                with te.autocast(recipe=recipe):
+                    return model(x)
+
+            torch.compile(fn, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+        else:
+            compiled = torch.compile(model, backend=rec.backend, fullgraph=True)
+            with te.autocast(recipe=recipe):
+                y = compiled(x)
+            y.float().sum().backward()
+    return rec
+
+
+@pytest.mark.parametrize("graph_path", [False, True], ids=["te_kernels", "graph"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_under_an_eager_autocast_backward_only_records_amaxes(kind, graph_path, patched):
+    """Compiled inside an eager te.autocast, the backward graph quantizes grad_output with TE's
+    scale and merges its amax into the history, and neither updates the state nor snapshots the
+    scale: the autocast's next exit updates every backward state at once."""
+    rec = _trace(kind, graph_path, autocast_inside=False)
+    fw, bw = JointRecorder.targets(rec.fw), JointRecorder.targets(rec.bw)
+    assert UPDATE not in fw and UPDATE not in bw, (fw, bw)
+    assert SNAPSHOT not in bw, bw
+    if graph_path:
+        assert "aten._scaled_mm.default" in bw, bw
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_under_a_traced_autocast_each_backward_updates_its_own_state(kind, patched):
+    """An autocast traced inside the compiled function cannot run the backward update at its
+    exit (the forward graph would write a tensor the backward graph writes): each module's
+    backward updates its own state (inside the TE-kernel ops' backward)."""
+    rec = _trace(kind, graph_path=False, autocast_inside=True)
+    assert JointRecorder.targets(rec.fw).count(UPDATE) == 1  # the forward update at the exit
+    assert _backward_configs(rec) == {False}
+    assert _backward_configs(_trace(kind, graph_path=False, autocast_inside=False)) == {True}
+
+
+def _backward_configs(rec) -> set:
+    """Whether each backward GEMM op's config defers the update."""
+    configs = {
+        QuantConfig.from_key(op_args(node)["config"]).defers_backward_update
+        for name, node in te_op_nodes(rec.bw)
+        if name.endswith("_bwd")
+    }
+    assert configs, [name for name, _ in te_op_nodes(rec.bw)]
+    return configs
+
+
+def test_eager_autocast_flag_follows_the_outermost_autocast(patched):
+    """The flag compiled modules read: set by an eager, enabled, outermost autocast, kept through
+    nested ones, cleared at its exit; a disabled outermost autocast (whose exit never updates)
+    leaves it clear."""
+    recipe = R.DelayedScaling()
+    with te_compile.simulate_gpu("hopper"):
+        assert not persistent_state.autocast_is_eager()
+        with te.autocast(recipe=recipe):
+            assert persistent_state.autocast_is_eager()
+            with te.autocast(enabled=False):
+                assert persistent_state.autocast_is_eager()
+            assert persistent_state.autocast_is_eager()
+        assert not persistent_state.autocast_is_eager()
+        with te.autocast(enabled=False):
+            with te.autocast(recipe=recipe):
+                assert not persistent_state.autocast_is_eager()
+        assert not persistent_state.autocast_is_eager()
+
+
+def test_flush_refuses_to_run_under_compile(patched):
+    def fn(x):
+        te_compile.flush_delayed_updates()
+        return x + 1
+
+    with pytest.raises(Exception, match="between steps"):
+        torch.compile(fn, backend="eager", fullgraph=True)(torch.ones(2))
+
+
+def test_the_config_key_records_the_deferral(patched):
+    """Two QuantConfigs, one per way of updating: a module compiled under an eager autocast and
+    the same module traced with the autocast inside do not share cached code by accident."""
+    from te_compile.recipes import for_linear
+
+    recipe = R.DelayedScaling()
+    deferred = for_linear(recipe, fp8_transpose=True, deferred_update=True)
+    own = for_linear(recipe, fp8_transpose=True)
+    assert deferred.defers_backward_update and not own.defers_backward_update
+    assert deferred.key != own.key
+    assert not for_linear(
+        recipe, fp8_transpose=True, fused_update=False, deferred_update=True
+    ).defers_backward_update
+    FGS.reset()
