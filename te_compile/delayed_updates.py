@@ -72,34 +72,34 @@ def backward_pending() -> bool:
 
 def flush() -> None:
     """Apply the backward DelayedScaling updates compiled modules left to the next autocast exit
-    (a no-op where none is pending). For code that reads `fp8_meta` between steps; state_dict
-    needs no flush. With `reduce_amax` over several ranks it all-reduces: call it on every rank."""
+    (a no-op where none is pending), module by module: a module TE's global buffers no longer
+    hold (after FP8GlobalStateManager.reset()) is flushed too. For code that reads `fp8_meta`
+    between steps; state_dict needs no flush. With `reduce_amax` over several ranks it
+    all-reduces each module's amaxes, in construction order: call it on every rank."""
     if torch.compiler.is_compiling():
         raise UnsupportedUnderCompileError(
             "te_compile.flush_delayed_updates() runs between steps, not inside torch.compile: "
             "the compiled autocast exit already applies the pending updates."
         )
-    if not unfused_update_requested():
-        from transformer_engine.pytorch.quantization import FP8GlobalStateManager
-
-        update_states(FP8GlobalStateManager, forward=False, skip_unsupported=True)
+    for module in persistent_state.delayed_modules():
+        _flush_module(module, collective=True)
 
 
-def _flush_module(module) -> None:
-    """The pending backward update of one module's state, before state_dict reads it. Left
-    pending where it would need an amax reduction over ranks (state_dict may run on one rank
-    only); te_compile then applies it at the next autocast exit after loading, as before."""
+def _flush_module(module, collective: bool = False) -> None:
+    """The pending backward update of one module's state. Without `collective` (state_dict, which
+    may run on one rank only) it is left pending where it needs an amax reduction over ranks;
+    te_compile then applies it at the next autocast exit after loading, as before."""
     meta = getattr(module, "fp8_meta", {})
-    bwd, recipe = meta.get("scaling_bwd"), meta.get("recipe")
+    bwd, recipe, group = meta.get("scaling_bwd"), meta.get("recipe"), meta.get("fp8_group")
     if (
         bwd is None
         or getattr(module, persistent_state.DELAYED_ATTR, None) is None
         or not backward_pending()
         or _callable_parts(recipe)
-        or (recipe.reduce_amax and _world_size(None) > 1)
+        or (recipe.reduce_amax and _world_size(group) > 1 and not collective)
     ):
         return
-    _update(recipe, None, [bwd.amax_history], [bwd.scale], forward=False)
+    _update(recipe, group, [bwd.amax_history], [bwd.scale], forward=False)
 
 
 def _make_get_extra_state(original):

@@ -213,6 +213,14 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
     return True
 
 
+def delayed_modules() -> list:
+    """The live TE GEMM modules with DelayedScaling state made by te_compile, in registration
+    order (the prepared ones included)."""
+    modules = _live_modules()
+    modules += [m for m in _PREPARED if m not in _LIVE]
+    return [m for m in modules if getattr(m, DELAYED_ATTR, None) is not None]
+
+
 def autocast_is_eager() -> bool:
     """Traced: whether the FP8 autocast around this code was entered outside compiled code (a
     guard on a plain bool). Its exit is then eager, and can run the backward update compiled

@@ -64,10 +64,15 @@ def _run(compile_how: str | None, mode: str, graph_path: bool, steps: int = 5):
         for i in range(steps):
             g = torch.Generator().manual_seed(100 + i)
             x = torch.randn(32, 64, generator=g).to("cuda", BF16).requires_grad_()
+            torch.compiler.cudagraph_mark_step_begin()
             with te.autocast(recipe=RECIPE):
                 y = run(x)
             y.float().square().mean().backward()
-            records += [y.detach().clone(), x.grad, *(p.grad.clone() for p in model.parameters())]
+            records += [
+                y.detach().clone(),
+                x.grad.clone(),
+                *(p.grad.clone() for p in model.parameters()),
+            ]
             opt.step()
             opt.zero_grad(set_to_none=True)
             if i == 1 and mode == "default":  # a metric: a forward with grad, no backward
