@@ -75,16 +75,17 @@ def quant_config(name: str, recipe) -> QuantConfig:
             f"backward_override={recipe.backward_override!r}",
             "use a recipe with backward_override=None (and NVTE_BACKWARD_OVERRIDE unset)",
         )
-    amax_group = ""
+    amax_group, deferred = "", False
     if isinstance(recipe, R.DelayedScaling):
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
 
         amax_group = reduction_group_name(recipe.reduce_amax, state.get_fp8_group())
+        deferred = persistent_state.autocast_is_eager()  # a guard for DelayedScaling only
     return for_linear(
         recipe,
         fp8_transpose=fp8_transpose_layout(),
         fused_update=not unfused_update_requested(),
-        deferred_update=persistent_state.autocast_is_eager(),
+        deferred_update=deferred,
         amax_group=amax_group,
     )
 

@@ -220,11 +220,13 @@ def test_state_loaded_before_the_first_trace_is_kept(meta_delayed):
 
 
 def test_module_run_twice_updates_its_backward_state_twice(meta_delayed, graph_breaks):
-    """A known difference from eager TE (docs/training.md, docs/architecture.md): a te.Linear
-    applied twice in one step gets two backward ops, each handed the module's backward state
-    [scale, amax_history], which each records its gradient amax into and then updates (the
-    history rolls twice); eager TE merges both amaxes and updates once at the end of the
-    backward. When the batched update lands this test changes with the docs."""
+    """A known difference from eager TE with the autocast traced inside the compiled function
+    (docs/training.md, docs/architecture.md): a te.Linear applied twice in one step gets two
+    backward ops, each handed the module's backward state [scale, amax_history], which each
+    records its gradient amax into and then updates (the history rolls twice); eager TE merges
+    both amaxes and updates once at the end of the backward. Under an eager autocast the ops
+    only merge and the exit updates once (tests/cpu/test_deferred_update_trace.py,
+    tests/gpu/test_deferred_update_gpu.py)."""
     recipe = R.DelayedScaling(amax_history_len=4)
     linear = build_without_gpu(
         lambda: te.Linear(IN, IN, params_dtype=torch.bfloat16, device="meta"), "meta"
