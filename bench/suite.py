@@ -131,8 +131,12 @@ def make_recipe(name: str):
     return factory(), None if ok else why
 
 
+AUTOCAST = {"where": "inside"}  # --autocast: "outside" compiles the model, te.autocast eager
+
+
 def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
     forward = model
+    compile_kwargs = {"fullgraph": True, "mode": None if mode == "compile" else mode}
     if te_recipe is not None:
         import te_compile
 
@@ -140,15 +144,21 @@ def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
         te_compile.configure(**{**dataclasses.asdict(te_compile.options.Options()), **variant})
         import transformer_engine.pytorch as te
 
-        def forward(inp):  # autocast inside the compiled function, as a training loop has it
-            with te.autocast(enabled=recipe is not None, recipe=recipe):
-                return model(inp)
+        inner = model
+        if AUTOCAST["where"] == "outside" and mode != "eager":
+            inner, mode = torch.compile(model, **compile_kwargs), "eager-outer"
 
-    if mode != "eager":
-        forward = torch.compile(forward, fullgraph=True, mode=None if mode == "compile" else mode)
+        def forward(inp):  # compiled whole (inside) or around the compiled model (outside)
+            with te.autocast(enabled=recipe is not None, recipe=recipe):
+                return inner(inp)
+
+    if mode not in ("eager", "eager-outer"):
+        forward = torch.compile(forward, **compile_kwargs)
 
     def step():
-        if mode == "reduce-overhead":  # a new CUDA-graph step: last step's outputs are dead
+        if (
+            compile_kwargs["mode"] == "reduce-overhead"
+        ):  # a new CUDA-graph step: last step's outputs are dead
             torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
         x.grad = None
@@ -520,6 +530,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--json", default=json_default, help="results file (default %(default)s)")
     p.add_argument("--plots", help="folder for the PNGs (default: the JSON's folder)")
     p.add_argument("--head-dim", type=int, default=128, help="attention head size (transformers)")
+    p.add_argument(
+        "--autocast",
+        choices=("inside", "outside"),
+        default="inside",
+        help="te.autocast inside the compiled step (default) or around the compiled model",
+    )
     p.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.warmup = (2 if args.quick else 5) if args.warmup is None else args.warmup
@@ -544,11 +560,13 @@ def main() -> None:
 
     te_compile.patch()
     stack_builders.HEAD_DIM = args.head_dim
+    AUTOCAST["where"] = args.autocast
     modes = [m for m in MODES if m in args.modes.split(",")]
     stacks, skipped = usable_stacks(args.stacks.split(","))
     shapes = args.shapes.split(",")
     results = dict(meta=versions(), argv=sys.argv[1:], warmup=args.warmup, steps=args.steps)
     results["head_dim"] = args.head_dim
+    results["autocast"] = args.autocast
     results.update(shapes=shapes, modes=modes, stacks=stacks, skipped_stacks=skipped, cells=[])
     plan = [
         (shape, stack, recipe, mode)
