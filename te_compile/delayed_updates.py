@@ -72,17 +72,30 @@ def backward_pending() -> bool:
 
 def flush() -> None:
     """Apply the backward DelayedScaling updates compiled modules left to the next autocast exit
-    (a no-op where none is pending), module by module: a module TE's global buffers no longer
-    hold (after FP8GlobalStateManager.reset()) is flushed too. For code that reads `fp8_meta`
-    between steps; state_dict needs no flush. With `reduce_amax` over several ranks it
-    all-reduces each module's amaxes, in construction order: call it on every rank."""
+    (a no-op where none is pending): one update per recipe over the modules in TE's global
+    buffers, as the exit runs it, then one per module for those the buffers no longer hold
+    (after FP8GlobalStateManager.reset()). For code that reads `fp8_meta` between steps, and
+    between two backward passes with no autocast exit between them (docs/training.md); state_dict
+    needs no flush. With `reduce_amax` over several ranks it all-reduces: call it on every rank."""
     if torch.compiler.is_compiling():
         raise UnsupportedUnderCompileError(
             "te_compile.flush_delayed_updates() runs between steps, not inside torch.compile: "
             "the compiled autocast exit already applies the pending updates."
         )
+    if not backward_pending():
+        return
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    update_states(manager, forward=False, skip_unsupported=True)
+    registered = {
+        id(h)
+        for key, hs in manager.quantization_state.global_amax_history_buffer.items()
+        for h in hs
+        if not manager.split_key_in_buffer(key)[0]
+    }
     for module in persistent_state.delayed_modules():
-        _flush_module(module, collective=True)
+        if id(module.fp8_meta["scaling_bwd"].amax_history) not in registered:
+            _flush_module(module, collective=True)
 
 
 def _flush_module(module, collective: bool = False) -> None:
