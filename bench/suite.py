@@ -179,7 +179,8 @@ def reset_state() -> None:
 
 def measure(step, model, x, warmup: int, steps: int) -> dict:
     stats = torch._dynamo.utils.counters["stats"]  # not cleared by dynamo.reset: take a delta
-    graphs_before = stats["unique_graphs"]
+    inductor = torch._dynamo.utils.counters["inductor"]
+    graphs_before, skips_before = stats["unique_graphs"], inductor["cudagraph_skips"]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     step()
@@ -219,6 +220,7 @@ def measure(step, model, x, warmup: int, steps: int) -> dict:
         "step_peak_mib": (peak - base) / MIB,
         "graphs": graphs,
         "recompiles": max(0, graphs - 1),  # one fullgraph function: each graph past 1 is one
+        "cudagraph_skips": inductor["cudagraph_skips"] - skips_before,
     }
 
 
@@ -381,6 +383,8 @@ def print_tables(results: dict) -> None:
                 if c["status"] == "ok":
                     timing[-1] += [fmt(c["step_ms"]), fmt(c["issue_ms"]), fmt(c["peak_mib"], ".0f")]
                     counts = "" if c["graphs"] is None else f" ({c['graphs']}, {c['recompiles']})"
+                    if c.get("cudagraph_skips"):  # inductor fell back from CUDA graphs
+                        counts += f", {c['cudagraph_skips']} cudagraph skips"
                     first_call[-1].append(f"{c['compile_s']:.1f}{counts}")
                     continue
                 text = "n/a"

@@ -15,6 +15,7 @@ import pytest
 import torch
 import transformer_engine.pytorch as te
 from conftest import skip_unless_supported
+from torch._dynamo.utils import counters
 from transformer_engine.common import recipe as R
 from transformer_engine.pytorch import quantization as q
 
@@ -109,8 +110,10 @@ def _assert_equal(got, want):
 def test_deferred_backward_update_matches_eager(compile_how, mode, graph_path, patched):
     skip_unless_supported("delayed")
     want = _run(None, mode, graph_path)
+    counters.clear()
     got = _run(compile_how, mode, graph_path)
     _assert_equal(got, want)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     # FP8 really ran: every backward history holds amaxes, every backward scale moved off 1
     bwd_states = want[-12:]
     for scale, history in zip(bwd_states[2::4], bwd_states[3::4], strict=True):
