@@ -159,9 +159,11 @@ def make_autocast_exit(original):
     original_fn = original.__func__
 
     def autocast_exit(cls, enabled: bool, _graph: bool) -> None:
-        original_fn(cls, enabled, _graph)  # traced as it is while compiling
-        if not torch.compiler.is_compiling() and cls.quantization_state.autocast_depth == 0:
-            persistent_state.AUTOCAST_EAGER[0] = False
+        try:
+            original_fn(cls, enabled, _graph)  # traced as it is while compiling
+        finally:  # cleared even if the update raised: a stale flag would defer with no exit
+            if not torch.compiler.is_compiling() and cls.quantization_state.autocast_depth == 0:
+                persistent_state.AUTOCAST_EAGER[0] = False
 
     return classmethod(autocast_exit)
 

@@ -22,12 +22,14 @@ row 0 at 0.
 What can be seen between steps is the difference: after backward N, row 0 holds the step's
 amaxes and the backward scale is not yet updated. `flush` applies the pending updates (the
 same no-op rule makes it safe at any time), and TE modules' `get_extra_state` (what state_dict
-saves) flushes its own module first, so checkpoints hold what eager TE's would.
+saves) flushes its own module first, so checkpoints hold what eager TE's would (with an amax
+reduction over ranks, only after a flush on every rank: state_dict cannot run a collective).
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 
@@ -65,9 +67,9 @@ def update_states(manager, forward: bool, skip_unsupported: bool = False) -> Non
 
 
 def backward_pending() -> bool:
-    """Whether compiled modules may have left backward updates to the autocast exit: a compiled
-    DelayedScaling module was traced in this process, with TE's fused update."""
-    return persistent_state.delayed_state_traced() and not unfused_update_requested()
+    """Whether compiled modules may have left backward updates to the autocast exit: one was
+    traced deferring them in this process, with TE's fused update."""
+    return persistent_state.deferred_update_traced() and not unfused_update_requested()
 
 
 def flush() -> None:
@@ -94,23 +96,34 @@ def flush() -> None:
         if not manager.split_key_in_buffer(key)[0]
     }
     for module in persistent_state.delayed_modules():
-        if id(module.fp8_meta["scaling_bwd"].amax_history) not in registered:
+        history = getattr(module.fp8_meta.get("scaling_bwd"), "amax_history", None)
+        if history is not None and id(history) not in registered:
             _flush_module(module, collective=True)
 
 
 def _flush_module(module, collective: bool = False) -> None:
     """The pending backward update of one module's state. Without `collective` (state_dict, which
-    may run on one rank only) it is left pending where it needs an amax reduction over ranks;
-    te_compile then applies it at the next autocast exit after loading, as before."""
+    may run on one rank only) it cannot reduce amaxes over ranks: where the recipe asks for that,
+    the update is left pending, with a warning (the saved row 0 holds this rank's amaxes only)."""
+    from transformer_engine.common.recipe import DelayedScaling
+
     meta = getattr(module, "fp8_meta", {})
     bwd, recipe, group = meta.get("scaling_bwd"), meta.get("recipe"), meta.get("fp8_group")
     if (
-        bwd is None
+        not isinstance(recipe, DelayedScaling)  # state of another recipe since (a load, eager)
+        or not hasattr(bwd, "amax_history")
         or getattr(module, persistent_state.DELAYED_ATTR, None) is None
         or not backward_pending()
         or _callable_parts(recipe)
-        or (recipe.reduce_amax and _world_size(group) > 1 and not collective)
     ):
+        return
+    if recipe.reduce_amax and _world_size(group) > 1 and not collective:
+        warnings.warn(
+            "te_compile: state_dict() saved a DelayedScaling backward state whose update is "
+            "still pending (amaxes not yet reduced over ranks); call "
+            "te_compile.flush_delayed_updates() on every rank before saving for eager TE's values",
+            stacklevel=3,
+        )
         return
     _update(recipe, group, [bwd.amax_history], [bwd.scale], forward=False)
 

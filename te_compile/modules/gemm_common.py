@@ -79,8 +79,13 @@ def quant_config(name: str, recipe) -> QuantConfig:
     if isinstance(recipe, R.DelayedScaling):
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
 
-        amax_group = reduction_group_name(recipe.reduce_amax, state.get_fp8_group())
-        deferred = persistent_state.autocast_is_eager()  # a guard for DelayedScaling only
+        group = state.get_fp8_group()
+        amax_group = reduction_group_name(recipe.reduce_amax, group)
+        # Deferred to the exit only where its reduction group is right: te_compile registers
+        # the state under the default group, so an amax_reduction_group keeps the op's update.
+        deferred = persistent_state.autocast_is_eager() and (not amax_group or group is None)
+        if deferred:
+            persistent_state.note_deferred_update()
     return for_linear(
         recipe,
         fp8_transpose=fp8_transpose_layout(),

@@ -54,7 +54,7 @@ _SCANS = [0]  # scans of the garbage collector's objects so far
 # order; dead modules drop out). Values unused.
 _LIVE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _SCANNED = [False]  # whether the modules made before this patch() were added
-_DELAYED_TRACED = [False]  # whether a compiled module's DelayedScaling state was ensured
+_DEFERRED_TRACED = [False]  # whether a module was traced deferring its backward update
 # Whether an autocast entered outside compiled code is open (the autocast twins keep it): then
 # compiled modules inside it defer their backward DelayedScaling update to its exit.
 AUTOCAST_EAGER = [False]
@@ -199,7 +199,6 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
     marked): registering a module of another model would make compiled code mutate tensors it
     cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
     mutated input)."""
-    _DELAYED_TRACED[0] = True
     if all(getattr(m, DELAYED_ATTR, None) is not None for m in _modules(prepared)):
         return True  # every trace after the first: nothing to create
     recipe = DelayedFields(*fields).recipe()
@@ -229,10 +228,17 @@ def autocast_is_eager() -> bool:
     return AUTOCAST_EAGER[0]
 
 
-def delayed_state_traced() -> bool:
-    """Whether a compiled module has used DelayedScaling state in this process (then autocast
-    exits outside compiled code apply the backward updates compiled modules defer to them)."""
-    return _DELAYED_TRACED[0]
+@torch.compiler.assume_constant_result
+def note_deferred_update() -> bool:
+    """Record, at trace time, that a compiled module defers its backward update to an eager
+    autocast's exit (from then on eager exits run the deferred updates)."""
+    _DEFERRED_TRACED[0] = True
+    return True
+
+
+def deferred_update_traced() -> bool:
+    """Whether a compiled module deferring its backward update was traced in this process."""
+    return _DEFERRED_TRACED[0]
 
 
 def _ensure_delayed(module, fields: tuple, recipe) -> None:

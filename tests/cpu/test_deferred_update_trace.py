@@ -130,3 +130,21 @@ def test_the_config_key_records_the_deferral(patched):
         recipe, fp8_transpose=True, fused_update=False, deferred_update=True
     ).defers_backward_update
     FGS.reset()
+
+
+def test_flushes_skip_a_module_now_set_up_for_another_recipe(patched):
+    """A module compiled under DelayedScaling that later holds another recipe's fp8_meta (a
+    checkpoint of another recipe loaded, an eager step under Float8CurrentScaling): state_dict's
+    flush and flush_delayed_updates() leave it alone instead of failing on its recipe."""
+    from te_compile import delayed_updates
+
+    rec = _trace("Linear", graph_path=False, autocast_inside=False)
+    assert rec.bw
+    with te_compile.simulate_gpu("hopper"):
+        linear = te.Linear(64, 64, params_dtype=torch.bfloat16)
+        linear.fp8_meta["recipe"] = R.DelayedScaling()
+        setattr(linear, persistent_state.DELAYED_ATTR, ("stale",))
+        linear.fp8_meta["recipe"] = R.Float8CurrentScaling()
+        linear.fp8_meta["scaling_bwd"] = object()  # another recipe's state: no amax_history
+        delayed_updates._flush_module(linear)
+        te_compile.flush_delayed_updates()
