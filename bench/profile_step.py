@@ -15,7 +15,9 @@ guard filters (`nn_modules`: skip_guard_on_all_nn_modules_unsafe, `globals`, `al
 user's compile settings change. `--head-dim` sets the attention heads' width (default 128).
 
 `--modes`: eager, compile (default mode), reduce-overhead (CUDA graphs: the step marks its
-start with `torch.compiler.cudagraph_mark_step_begin`); `--stack torch-transformer --recipes
+start with `torch.compiler.cudagraph_mark_step_begin`); `--autocast outside` compiles the
+model alone, te.autocast eager around it (DelayedScaling's updates then run at the eager exit);
+`--stack torch-transformer --recipes
 bf16` profiles the plain PyTorch block for comparison.
 
 Per recipe and mode: the median CPU time to issue one step
@@ -81,18 +83,26 @@ def compile_options(spec: str, graphs: bool) -> dict | None:
     return options
 
 
-def make_train_step(model, recipe, mode: str, x, grad, inductor: str = ""):
-    def fwd(inp):
-        with te.autocast(enabled=recipe is not None, recipe=recipe):
-            return model(inp)
-
+def make_train_step(model, recipe, mode: str, x, grad, inductor: str = "", outside=False):
+    """`outside`: compile the model alone and enter te.autocast in eager code around it (the
+    form of regional compilation, where DelayedScaling's updates run at the eager exit)."""
     graphs = mode == "reduce-overhead"
-    if mode == "eager":
-        fn = fwd
-    else:
+    inner = model
+    if mode != "eager":
         options = compile_options(inductor, graphs)
         graph_mode = "reduce-overhead" if graphs and options is None else None
-        fn = torch.compile(fwd, fullgraph=True, mode=graph_mode, options=options)
+
+        def compiled(fn):
+            return torch.compile(fn, fullgraph=True, mode=graph_mode, options=options)
+
+        if outside:
+            inner = compiled(model)
+
+    def fwd(inp):
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            return inner(inp)
+
+    fn = fwd if mode == "eager" or outside else compiled(fwd)
 
     def step():
         if graphs:
@@ -173,7 +183,9 @@ def measure(args, name: str, mode: str) -> tuple[float, float, float]:
     x = torch.randn(*shape, args.hidden, device="cuda", dtype=torch.bfloat16)
     x.requires_grad_(True)
     grad = torch.randn_like(x)
-    step = make_train_step(model, RECIPES[name](), mode, x, grad, args.inductor)
+    step = make_train_step(
+        model, RECIPES[name](), mode, x, grad, args.inductor, args.autocast == "outside"
+    )
     for _ in range(5):
         step()
     ms = issue_ms(step)
@@ -206,6 +218,8 @@ def main() -> None:
     p.add_argument("--on", default="", help="te_compile options to turn on, comma-separated")
     p.add_argument("--inductor", default="", help="torch.compile options, e.g. combo_kernels=1")
     p.add_argument("--head-dim", type=int, default=stacks.HEAD_DIM)
+    p.add_argument("--autocast", choices=("inside", "outside"), default="inside",
+                   help="te.autocast inside the compiled step, or eager around the compiled model")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     stacks.HEAD_DIM = args.head_dim
@@ -227,7 +241,7 @@ def main() -> None:
     x_shape = [args.tokens, *([args.batch] if args.batch else []), args.hidden]
     print(
         f"\n{args.layers} x {args.stack}, hidden {args.hidden}, input {x_shape}, "
-        f"{torch.cuda.get_device_name()}, options off: {off or 'none'}, on: {on or 'none'}, inductor: {args.inductor or 'defaults'}, heads of {args.head_dim}: CPU ms to issue one "
+        f"{torch.cuda.get_device_name()}, options off: {off or 'none'}, on: {on or 'none'}, inductor: {args.inductor or 'defaults'}, autocast {args.autocast}, heads of {args.head_dim}: CPU ms to issue one "
         "fwd+bwd step / GPU ms of its kernels / kernel launches"
     )
     modes = args.modes.split(",")

@@ -13,7 +13,7 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # PARTS="1 2a 2b ..." (on a machine of several GPUs): the listed parts run as a queue, one pytest
 # process per GPU: each GPU takes the next part not yet taken when its last one ends (list the
 # longest first). Logs in $OUT/part<N>/ and $OUT/part<N>.log; no benchmarks. GPUS=4 overrides
-# the count (default: nvidia-smi -L). PER_GPU=2 runs two parts side by side on each GPU (on a
+# the count (default: nvidia-smi -L); GPU_LIST="2 3" names the GPUs to use instead. PER_GPU=2 runs two parts side by side on each GPU (on a
 # one-GPU machine: PARTS="graph 1" PER_GPU=2). PART_TIMEOUT=S stops a part after S seconds
 # (timeout(1)), so a lent machine's call ends with every finished part's report on disk; a
 # stopped part's summary counts pytest's progress characters up to the stop.
@@ -26,6 +26,8 @@ progress_of() {  # pytest's -q progress lines in log $1, as counts
 if [ -n "${PARTS:-}" ]; then
   gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | wc -l)}
   [ "$gpus" -ge 1 ] || gpus=1
+  read -ra gpu_ids <<<"${GPU_LIST:-$(seq -s ' ' 0 $((gpus - 1)))}"
+  gpus=${#gpu_ids[@]}
   per_gpu=${PER_GPU:-1}
   claims=$(mktemp -d) status=0 pids=()
   worker() {  # $1: the GPU, then pytest's arguments; claims a part by creating its marker
@@ -41,7 +43,7 @@ if [ -n "${PARTS:-}" ]; then
     done
   }
   for ((w = 0; w < gpus * per_gpu; w++)); do
-    worker "$((w / per_gpu))" "$@" &
+    worker "${gpu_ids[$((w / per_gpu))]}" "$@" &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid"; done
