@@ -1,6 +1,6 @@
 """What dynamo's guards cost a compiled step on every call, measured without a GPU.
 
-    python bench/guard_cost.py [--hidden 1024] [--layers 4] [--calls 500]
+    python bench/guard_cost.py [--hidden 1024] [--layers 4] [--calls 500] [--gpu] [--dump DIR]
 
 Each stack of bench/stacks.py is traced under te_compile.simulate_gpu("hopper") (meta tensors,
 `backend="eager"`), and the compiled frame's guard check is timed on its own: the median of 5
@@ -10,11 +10,14 @@ session 16), so this is the CPU-side number to watch when a compile path reads m
 attributes. Rows: TE's TransformerLayer stack per recipe, the same with torch's
 `skip_guard_on_all_nn_modules_unsafe` filter (what module-attribute guards cost at most), and
 the plain PyTorch block. Counts are guard lines, NO_HASATTR among them (tests/cpu/test_guards.py).
+`--gpu` builds the stacks on the machine's GPU instead (the guards a real step checks);
+`--dump DIR` writes each guard tree to DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -43,12 +46,14 @@ ROWS = [  # (stack, recipe, guard filter)
 ]
 
 
-def guard_cost(stack: str, recipe_name: str, guard_filter, hidden: int, layers: int, calls: int):
-    """(median us per guard check, guard lines, NO_HASATTR lines) of one compiled forward."""
+def guard_cost(stack, recipe_name, guard_filter, hidden, layers, calls, real_gpu=False, dump=""):
+    """(median us per guard check, guard lines, NO_HASATTR lines) of one compiled forward;
+    `real_gpu`: on the machine's GPU instead of under simulate_gpu; `dump`: a folder to write
+    the guard tree into."""
     torch._dynamo.reset()
     make_recipe = RECIPES[recipe_name]
     options = {"guard_filter_fn": getattr(torch.compiler, guard_filter)} if guard_filter else None
-    with te_compile.simulate_gpu("hopper"):
+    with contextlib.nullcontext() if real_gpu else te_compile.simulate_gpu("hopper"):
         if stack.startswith("torch"):  # plain PyTorch modules: built on the default device
             torch.set_default_device("cuda")
         model = stacks.build(stack, hidden, layers)
@@ -72,7 +77,12 @@ def guard_cost(stack: str, recipe_name: str, guard_filter, hidden: int, layers: 
             for _ in range(calls):
                 check(frame_locals)
             runs.append((time.perf_counter() - t0) / calls * 1e6)
-    lines = str(entry.guard_manager).splitlines()
+    tree = str(entry.guard_manager)
+    if dump:
+        name = f"guards-{stack}-{recipe_name}{'-filtered' if guard_filter else ''}.txt"
+        with open(os.path.join(dump, name), "w") as f:
+            f.write(tree)
+    lines = tree.splitlines()
     no_hasattr = sum("NO_HASATTR" in s and "_dynamo_dynamic_indices" not in s for s in lines)
     return statistics.median(runs), len(lines), no_hasattr
 
@@ -82,15 +92,18 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--calls", type=int, default=500)
+    p.add_argument("--gpu", action="store_true", help="build on this machine's GPU, not simulated")
+    p.add_argument("--dump", default="", help="a folder for the guard trees")
     args = p.parse_args()
     stacks.HEAD_DIM = 64
     te_compile.patch()
-    print(f"{args.layers} layers, hidden {args.hidden}, torch {torch.__version__}, this CPU:")
+    where = torch.cuda.get_device_name() if args.gpu else "simulate_gpu"
+    print(f"{args.layers} layers, hidden {args.hidden}, torch {torch.__version__}, {where}:")
     print("| stack | recipe | guard filter | us per check | guard lines | NO_HASATTR |")
     print("|---|---|---|---|---|---|")
     for stack, recipe, guard_filter in ROWS:
         us, n, missing = guard_cost(
-            stack, recipe, guard_filter, args.hidden, args.layers, args.calls
+            stack, recipe, guard_filter, args.hidden, args.layers, args.calls, args.gpu, args.dump
         )
         print(f"| {stack} | {recipe} | {guard_filter or '-'} | {us:.1f} | {n} | {missing} |")
 

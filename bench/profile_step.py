@@ -218,8 +218,12 @@ def main() -> None:
     p.add_argument("--on", default="", help="te_compile options to turn on, comma-separated")
     p.add_argument("--inductor", default="", help="torch.compile options, e.g. combo_kernels=1")
     p.add_argument("--head-dim", type=int, default=stacks.HEAD_DIM)
-    p.add_argument("--autocast", choices=("inside", "outside"), default="inside",
-                   help="te.autocast inside the compiled step, or eager around the compiled model")
+    p.add_argument(
+        "--autocast",
+        choices=("inside", "outside"),
+        default="inside",
+        help="te.autocast inside the compiled step, or eager around the compiled model",
+    )
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     stacks.HEAD_DIM = args.head_dim
