@@ -22,7 +22,7 @@ import torch
 from .modules import persistent_state
 
 
-def prepare(model: torch.nn.Module, recipe=None) -> torch.nn.Module:
+def prepare(model: torch.nn.Module, recipe=None, amax_reduction_group=None) -> torch.nn.Module:
     """Create the compile-time state of every TE GEMM module (te.Linear, te.LayerNormLinear,
     te.LayerNormMLP, also inside te.TransformerLayer or any container) of `model` for `recipe`
     and register it; returns `model`. Call it once after building the model and before
@@ -34,6 +34,11 @@ def prepare(model: torch.nn.Module, recipe=None) -> torch.nn.Module:
     across steps (FP8 weight caches for `is_first_microbatch` are made at trace time, for the
     prepared modules only, as they cost a weight's memory), so for them only the modules are
     registered. A recipe the compiled path refuses raises here, as it would while tracing.
+
+    `amax_reduction_group`: the one the compiled `te.autocast` will be given (DelayedScaling
+    with `reduce_amax`): the state is registered in TE's buffers under it, as eager TE's first
+    FP8 forward registers it under its autocast's group, and each autocast exit reduces the
+    amaxes of a registration over its group.
     """
     if torch.compiler.is_compiling():
         raise RuntimeError("te_compile.prepare: call it before torch.compile, not inside")
@@ -50,5 +55,5 @@ def prepare(model: torch.nn.Module, recipe=None) -> torch.nn.Module:
     classes = persistent_state._module_classes()
     for module in model.modules():
         if issubclass(type(module), classes):
-            persistent_state.prepare_module(module, fields)
+            persistent_state.prepare_module(module, fields, amax_reduction_group)
     return model

@@ -29,8 +29,19 @@ def name_of(group) -> str:
 
 @torch.compiler.assume_constant_result
 def _registered(group) -> str:
+    group = real_group(group)
     _GROUPS[group.group_name] = group
     return group.group_name
+
+
+def real_group(group):
+    """`group` itself where dynamo hands an `assume_constant_result` function a stand-in for it
+    (a FakeScriptObject, which keeps the group as `real_obj`): ops reduce over the real group
+    at run time, and TE keys its DelayedScaling buffers by the group's identity."""
+    real = getattr(group, "real_obj", group)
+    if real is not None and not isinstance(real, torch.distributed.ProcessGroup):
+        raise TypeError(f"te_compile: expected a torch.distributed.ProcessGroup, got {type(real)}")
+    return real
 
 
 def group_of(name: str):

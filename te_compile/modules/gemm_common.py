@@ -79,11 +79,8 @@ def quant_config(name: str, recipe) -> QuantConfig:
     if isinstance(recipe, R.DelayedScaling):
         from transformer_engine.pytorch.quantization import FP8GlobalStateManager as state
 
-        group = state.get_fp8_group()
-        amax_group = reduction_group_name(recipe.reduce_amax, group)
-        # Deferred to the exit only where its reduction group is right: te_compile registers
-        # the state under the default group, so an amax_reduction_group keeps the op's update.
-        deferred = persistent_state.autocast_is_eager() and (not amax_group or group is None)
+        amax_group = reduction_group_name(recipe.reduce_amax, state.get_fp8_group())
+        deferred = persistent_state.autocast_is_eager()
         if deferred:
             persistent_state.note_deferred_update()
     return for_linear(
@@ -258,10 +255,12 @@ def check_fp8_dims(**tensors: torch.Tensor) -> None:
 def delayed_state(m, recipe) -> tuple[list, list]:
     """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py):
     ([fwd scale, fwd amax_history[0]], [bwd scale, bwd amax_history])."""
-    fields = DelayedFields.values_of(recipe)
-    persistent_state.ensure_delayed_states(fields, persistent_state.is_prepared(m))
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
+
+    fields, group = DelayedFields.values_of(recipe), manager.get_fp8_group()
+    persistent_state.ensure_delayed_states(fields, persistent_state.is_prepared(m), group)
     if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
-        persistent_state.reinit_delayed_state(id(m), fields)  # made for another recipe
+        persistent_state.reinit_delayed_state(id(m), fields, group)  # made for another recipe
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
     # backward update of every registered state; compiled modules leave theirs to the next

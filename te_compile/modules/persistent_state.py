@@ -40,6 +40,7 @@ import weakref
 import torch
 
 from ..kernels.fp8_operands import weight_cache_specs
+from ..kernels.process_groups import real_group
 from ..patching import Swap
 from ..recipes import DelayedFields, QuantConfig
 
@@ -127,14 +128,15 @@ def _modules(prepared: bool) -> list:
     return list(_PREPARED) if prepared else _live_modules()
 
 
-def prepare_module(module, fields: tuple | None) -> None:
+def prepare_module(module, fields: tuple | None, group=None) -> None:
     """What te_compile.prepare() does to one TE GEMM module: the DelayedScaling state for the
-    recipe `fields` (None: a recipe with no such state) that a trace would leave (the scan's
-    rule, then reinit_delayed_state's for a module set up for another recipe), and registered."""
+    recipe `fields` (None: a recipe with no such state) and amax reduction `group` that a trace
+    would leave (the scan's rule, then reinit_delayed_state's for a module set up for another
+    recipe), and registered."""
     if fields is not None:
-        _ensure_delayed(module, fields, DelayedFields(*fields).recipe())
+        _ensure_delayed(module, fields, DelayedFields(*fields).recipe(), group)
         if getattr(module, DELAYED_ATTR, None) != fields:
-            _init_delayed(module, fields)
+            _init_delayed(module, fields, group)
     _PREPARED.add(module)
     setattr(module, PREPARED_ATTR, True)
 
@@ -168,9 +170,10 @@ def gemm_weight_spec(module, name: str) -> tuple[tuple, str] | None:
     return tuple(weight.shape), str(weight.dtype)
 
 
-def _init_delayed(module, fields: tuple) -> None:
+def _init_delayed(module, fields: tuple, group=None) -> None:
     """Create and register TE's DelayedScaling state for `module`, as eager TE's first FP8
-    forward would."""
+    forward under an autocast with amax reduction group `group` would: TE's buffers are keyed
+    by (recipe, group), and the autocast exit reduces each key's amaxes over its group."""
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
 
     recipe = DelayedFields(*fields).recipe()
@@ -179,22 +182,23 @@ def _init_delayed(module, fields: tuple) -> None:
     state = manager.quantization_state
     try:
         state.fp8_enabled, state.fp8_calibration = True, False
-        state.fp8_recipe, state.fp8_distributed_group = recipe, None
+        state.fp8_recipe, state.fp8_distributed_group = recipe, group
         module.init_fp8_metadata(num_gemms=num_gemms(module))
     finally:
         manager.set_autocast_state(saved)
     manager.add_fp8_tensors_to_global_buffer(module.fp8_meta)
     # The forward update at autocast exit looks the recipe up by key: record it here, where
     # the tensors are registered (the compiled autocast does not write this dict).
-    key = manager.get_unique_autocast_key(recipe, None)
-    state.autocast_arguments.setdefault(key, (recipe, None))
+    key = manager.get_unique_autocast_key(recipe, group)
+    state.autocast_arguments.setdefault(key, (recipe, group))
     setattr(module, DELAYED_ATTR, fields)
 
 
 @torch.compiler.assume_constant_result
-def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
-    """DelayedScaling state (for the recipe `fields`) for every live TE GEMM module that has no
-    FP8 state yet (`prepared`: every prepared module, no scan). Modules eager TE set up are left
+def ensure_delayed_states(fields: tuple, prepared: bool = False, group=None) -> bool:
+    """DelayedScaling state (for the recipe `fields`, registered under the autocast's amax
+    reduction `group`) for every live TE GEMM module that has no FP8 state yet (`prepared`:
+    every prepared module, no scan). Modules eager TE set up are left
     to eager TE unless they are registered in TE's global buffers for this recipe (then only
     marked): registering a module of another model would make compiled code mutate tensors it
     cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
@@ -207,8 +211,9 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False) -> bool:
         # autocast exit's update would then mutate tensors no graph input reaches: CUDA graph
         # trees skip a graph with such a mutated input. Collect them first.
         gc.collect()
+    group = real_group(group)
     for module in _modules(prepared):
-        _ensure_delayed(module, fields, recipe)
+        _ensure_delayed(module, fields, recipe, group)
     return True
 
 
@@ -241,13 +246,14 @@ def deferred_update_traced() -> bool:
     return _DEFERRED_TRACED[0]
 
 
-def _ensure_delayed(module, fields: tuple, recipe) -> None:
+def _ensure_delayed(module, fields: tuple, recipe, group) -> None:
     """The scan's rule for one module: create state if it has none, adopt eager TE's state if
-    TE registered it for `recipe`, else leave it (the trace re-initialises it by identity)."""
+    TE registered it for `recipe` (under any group: as in eager TE, the first registration
+    stays), else leave it (the trace re-initialises it by identity)."""
     if getattr(module, DELAYED_ATTR, None) is not None:
         return
     if not module.fp8_initialized:
-        _init_delayed(module, fields)
+        _init_delayed(module, fields, group)
     elif module.fp8_meta.get("recipe") == recipe and _registered(module, recipe):
         setattr(module, DELAYED_ATTR, fields)
 
@@ -255,7 +261,7 @@ def _ensure_delayed(module, fields: tuple, recipe) -> None:
 def _registered(module, recipe) -> bool:
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
 
-    key = manager.get_key_in_buffer(True, recipe, None)
+    key = manager.get_key_in_buffer(True, recipe, module.fp8_meta.get("fp8_group"))
     history = module.fp8_meta["scaling_fwd"].amax_history
     buffer = manager.quantization_state.global_amax_history_buffer.get(key, [])
     return any(h is history for h in buffer)
@@ -288,12 +294,13 @@ def _history_ids(modules) -> set:
 
 
 @torch.compiler.assume_constant_result
-def reinit_delayed_state(module_id: int, fields: tuple) -> bool:
-    """DelayedScaling state for the recipe `fields` for one module that has state for another."""
+def reinit_delayed_state(module_id: int, fields: tuple, group=None) -> bool:
+    """DelayedScaling state for the recipe `fields` and amax reduction `group` for one module
+    that has state for another recipe."""
     prepared = [m for m in _PREPARED if id(m) == module_id]
     for module in prepared or _live_modules():
         if id(module) == module_id:
-            _init_delayed(module, fields)
+            _init_delayed(module, fields, real_group(group))
             return True
     raise RuntimeError(f"te_compile: no live TE GEMM module with id {module_id}")
 

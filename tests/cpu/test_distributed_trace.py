@@ -64,6 +64,7 @@ def _trace(dist) -> dict:
         ("world", True, None),
         ("subgroup", True, subgroup),
         ("no_reduction", False, None),
+        ("eager_subgroup", False, subgroup),  # the autocast around the compiled module
     ):
         torch._dynamo.reset()
         counters.clear()
@@ -78,7 +79,12 @@ def _trace(dist) -> dict:
                     return linear(x)
 
             rec = JointRecorder()
-            torch.compile(step, backend=rec.backend, fullgraph=True)(x).sum().backward()
+            if name.startswith("eager"):
+                with te.autocast(recipe=recipe, amax_reduction_group=group):
+                    y = torch.compile(linear, backend=rec.backend, fullgraph=True)(x)
+                y.sum().backward()
+            else:
+                torch.compile(step, backend=rec.backend, fullgraph=True)(x).sum().backward()
         bwd_configs = [
             n.kwargs["config"]
             for gm in rec.bw
@@ -86,7 +92,24 @@ def _trace(dist) -> dict:
             if "linear_bwd" in str(n.args[0] if n.args else "")
         ]
         group_names = {QuantConfig.from_key(c).amax_group for c in bwd_configs}
+        keys = FGS.quantization_state.global_amax_buffer
         out[name] = {
+            # TE's buffers are keyed by (recipe, group); each exit reduces a key over its group
+            "registered_groups": sorted(
+                "world"
+                if k.endswith("group=None")
+                else "subgroup"
+                if k.endswith(f"group={id(subgroup)}")
+                else k
+                for k in keys
+            ),
+            "fw_reduce_groups": sorted(
+                n.args[2]
+                for gm in rec.fw
+                for n in gm.graph.nodes
+                if str(n.target) == "_c10d_functional.all_reduce.default"
+            ),
+            "deferred": sorted({QuantConfig.from_key(c).deferred_update for c in bwd_configs}),
             "graphs": (len(rec.fw), len(rec.bw)),
             "breaks": sum(counters["graph_break"].values()),
             "fw_ops": op_targets(rec.fw),
@@ -95,7 +118,18 @@ def _trace(dist) -> dict:
                 n == amax_groups.WORLD or n in amax_groups._GROUPS for n in group_names if n
             ),
             "subgroup_name": subgroup.group_name,
+            "world_name": dist.group.WORLD.group_name,
         }
+    FGS.reset()
+    with te_compile.simulate_gpu("hopper"):
+        linear = te.Linear(64, 32, params_dtype=torch.bfloat16, device="cuda")
+        te_compile.prepare(linear, R.DelayedScaling(), amax_reduction_group=subgroup)
+    keys = list(FGS.quantization_state.global_amax_buffer)
+    out["prepared"] = (
+        linear.fp8_meta["fp8_group"] is subgroup
+        and len(keys) == 2
+        and all(k.endswith(f"group={id(subgroup)}") for k in keys)
+    )
     return out
 
 
@@ -179,6 +213,25 @@ def test_amax_all_reduce_in_forward_graph(traces, rank, name):
     assert ops.index("te_compile.amax_and_scale_update.default") > reduce_at
     want = "world" if name == "world" else case["subgroup_name"]
     assert case["bwd_groups"] == [want] and case["resolvable"]
+    # The state is registered under the autocast's group, so its exit reduces over that group
+    # (before session 31 te_compile registered it under the default group: the world).
+    assert case["registered_groups"] == [name, name]  # forward and backward keys
+    assert case["fw_reduce_groups"] == [case["world_name" if name == "world" else "subgroup_name"]]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_under_an_eager_autocast_with_a_subgroup_the_backward_update_is_deferred(traces, rank):
+    """Compiled modules defer their backward update to an eager autocast's exit whatever its
+    amax reduction group: their state is registered under that group, as eager TE's is."""
+    case = _case(traces, rank, "eager_subgroup")
+    assert case["breaks"] == 0 and case["deferred"] == [True], case
+    assert case["registered_groups"] == ["subgroup", "subgroup"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_prepare_registers_under_the_given_group(traces, rank):
+    assert "error" not in traces[rank], traces[rank].get("error")
+    assert traces[rank]["prepared"]
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
