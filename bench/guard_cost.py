@@ -4,7 +4,9 @@
 
 Each stack of bench/stacks.py is traced under te_compile.simulate_gpu("hopper") (meta tensors,
 `backend="eager"`), and the compiled frame's guard check is timed on its own: the median of 5
-runs of `--calls` checks, in microseconds, on this machine's CPU. Under CUDA graphs a
+runs of `--calls` checks, in microseconds, on this machine's CPU, and the median of single
+checks each after writing 64 MiB (caches cold, as between two training steps: the tree's
+thousands of nodes then cost cache misses, 3-6x the warm time). Under CUDA graphs a
 small-shape TE step is CPU-bound and its guards are part of that (docs/performance.md,
 session 16), so this is the CPU-side number to watch when a compile path reads more module
 attributes. Rows: TE's TransformerLayer stack per recipe, the same with torch's
@@ -77,6 +79,14 @@ def guard_cost(stack, recipe_name, guard_filter, hidden, layers, calls, real_gpu
             for _ in range(calls):
                 check(frame_locals)
             runs.append((time.perf_counter() - t0) / calls * 1e6)
+        cold = []
+        evict = bytearray(64 << 20)  # larger than the CPU's caches
+        line = bytes(len(evict[::64]))
+        for _ in range(min(calls, 100)):
+            evict[::64] = line  # one write per cache line
+            t0 = time.perf_counter()
+            check(frame_locals)
+            cold.append((time.perf_counter() - t0) * 1e6)
     tree = str(entry.guard_manager)
     if dump:
         name = f"guards-{stack}-{recipe_name}{'-filtered' if guard_filter else ''}.txt"
@@ -84,7 +94,7 @@ def guard_cost(stack, recipe_name, guard_filter, hidden, layers, calls, real_gpu
             f.write(tree)
     lines = tree.splitlines()
     no_hasattr = sum("NO_HASATTR" in s and "_dynamo_dynamic_indices" not in s for s in lines)
-    return statistics.median(runs), len(lines), no_hasattr
+    return statistics.median(runs), statistics.median(cold), len(lines), no_hasattr
 
 
 def main() -> None:
@@ -99,13 +109,17 @@ def main() -> None:
     te_compile.patch()
     where = torch.cuda.get_device_name() if args.gpu else "simulate_gpu"
     print(f"{args.layers} layers, hidden {args.hidden}, torch {torch.__version__}, {where}:")
-    print("| stack | recipe | guard filter | us per check | guard lines | NO_HASATTR |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| stack | recipe | guard filter | us per check | us, caches cold | guard lines | NO_HASATTR |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for stack, recipe, guard_filter in ROWS:
-        us, n, missing = guard_cost(
+        us, cold, n, missing = guard_cost(
             stack, recipe, guard_filter, args.hidden, args.layers, args.calls, args.gpu, args.dump
         )
-        print(f"| {stack} | {recipe} | {guard_filter or '-'} | {us:.1f} | {n} | {missing} |")
+        print(
+            f"| {stack} | {recipe} | {guard_filter or '-'} | {us:.1f} | {cold:.1f} | {n} | {missing} |"
+        )
 
 
 if __name__ == "__main__":
