@@ -261,6 +261,17 @@ def delayed_state(m, recipe) -> tuple[list, list]:
     persistent_state.ensure_delayed_states(fields, persistent_state.is_prepared(m), group)
     if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
         persistent_state.reinit_delayed_state(id(m), fields, group)  # made for another recipe
+    # Each autocast exit reduces a registration's amaxes over the group it was registered
+    # under; a module registered under another group would be reduced over that one.
+    mismatch = persistent_state.group_mismatch(m.fp8_meta.get("fp8_group"), group)
+    if mismatch:
+        raise unsupported(
+            type(m).__name__,
+            f"DelayedScaling state registered under amax_reduction_group {mismatch}",
+            "run each module under one amax_reduction_group; with models under different groups, "
+            "call te_compile.prepare(model, recipe, amax_reduction_group=...) for each one "
+            "before compiling any (the first trace registers every live TE module)",
+        )
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
     # backward update of every registered state; compiled modules leave theirs to the next

@@ -134,9 +134,19 @@ def prepare_module(module, fields: tuple | None, group=None) -> None:
     would leave (the scan's rule, then reinit_delayed_state's for a module set up for another
     recipe), and registered."""
     if fields is not None:
+        group = real_group(group)
         _ensure_delayed(module, fields, DelayedFields(*fields).recipe(), group)
         if getattr(module, DELAYED_ATTR, None) != fields:
             _init_delayed(module, fields, group)
+        registered = module.fp8_meta.get("fp8_group")
+        if registered is not group:  # TE's buffers cannot move a registration
+            raise RuntimeError(
+                f"te_compile.prepare: {type(module).__name__}'s DelayedScaling state is already "
+                f"registered under amax_reduction_group {_group_label(registered)}, not "
+                f"{_group_label(group)} (by eager TE's first FP8 forward, an earlier prepare, or "
+                "te_compile's first trace, which registers every live TE module): call prepare "
+                "for every model before its first FP8 step and before compiling any model"
+            )
     _PREPARED.add(module)
     setattr(module, PREPARED_ATTR, True)
 
@@ -215,6 +225,20 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False, group=None) -> 
     for module in _modules(prepared):
         _ensure_delayed(module, fields, recipe, group)
     return True
+
+
+@torch.compiler.assume_constant_result
+def group_mismatch(registered, group) -> str:
+    """ "" where a module's DelayedScaling state is registered under the autocast's amax
+    reduction `group`, else "<registered>, traced under <group>" (their names)."""
+    registered, group = real_group(registered), real_group(group)
+    if registered is group:
+        return ""
+    return f"{_group_label(registered)}, traced under {_group_label(group)}"
+
+
+def _group_label(group) -> str:
+    return "None (the default group)" if group is None else repr(group.group_name)
 
 
 def delayed_modules() -> list:

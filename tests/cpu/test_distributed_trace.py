@@ -130,7 +130,45 @@ def _trace(dist) -> dict:
         and len(keys) == 2
         and all(k.endswith(f"group={id(subgroup)}") for k in keys)
     )
+    try:  # prepared under the subgroup already: TE's buffers cannot move it
+        with te_compile.simulate_gpu("hopper"):
+            te_compile.prepare(linear, R.DelayedScaling(), amax_reduction_group=None)
+        out["prepare_again_error"] = ""
+    except RuntimeError as e:
+        out["prepare_again_error"] = str(e)
+    out["second_model_error"] = _second_model_under_another_group(subgroup)
     return out
+
+
+def _second_model_under_another_group(subgroup) -> str:
+    """Model A's first trace (under `subgroup`) registers every live TE module, model B's too;
+    B's own trace under the default group must then refuse, not reduce over A's group."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS
+
+    import te_compile
+
+    torch._dynamo.reset()
+    FGS.reset()
+    recipe = R.DelayedScaling(reduce_amax=True)
+    with te_compile.simulate_gpu("hopper"):
+        a, b = (te.Linear(64, 32, params_dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        x = torch.randn(16, 64, device="cuda", dtype=torch.bfloat16)
+
+        def run(model, group):
+            def step(x):
+                with te.autocast(recipe=recipe, amax_reduction_group=group):
+                    return model(x)
+
+            return torch.compile(step, backend="eager", fullgraph=True)(x)
+
+        run(a, subgroup)
+        try:
+            run(b, None)
+        except Exception as e:  # noqa: BLE001 (dynamo may wrap it)
+            return f"{type(e).__name__}: {e}"
+    return ""
 
 
 def _update_numerics(dist) -> dict:
@@ -232,6 +270,17 @@ def test_under_an_eager_autocast_with_a_subgroup_the_backward_update_is_deferred
 def test_prepare_registers_under_the_given_group(traces, rank):
     assert "error" not in traces[rank], traces[rank].get("error")
     assert traces[rank]["prepared"]
+    assert "already registered under amax_reduction_group" in traces[rank]["prepare_again_error"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_module_registered_under_another_group_is_refused(traces, rank):
+    """Eager TE would register the second model under its own autocast's group; te_compile's
+    first trace registered it under the first model's: refused by name, prepare() the way out."""
+    assert "error" not in traces[rank], traces[rank].get("error")
+    message = traces[rank]["second_model_error"]
+    assert "registered under amax_reduction_group" in message, message
+    assert "traced under None (the default group)" in message and "te_compile.prepare" in message
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
