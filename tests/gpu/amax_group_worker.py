@@ -1,6 +1,7 @@
-"""One rank of tests/gpu/test_amax_group_gpu.py, under torchrun on 2 GPUs: DelayedScaling with
-`reduce_amax=True` and `amax_reduction_group` set to a group of this rank alone, so eager TE
-reduces nothing across ranks. Three runs of 3 training steps from one seed, on inputs that
+"""One rank of tests/gpu/test_amax_group_gpu.py, under torchrun on 2 or 4 GPUs: DelayedScaling
+with `reduce_amax=True` and `amax_reduction_group` set to a subgroup: on 2 GPUs this rank alone
+(eager TE reduces nothing across ranks), on 4 the pair {0, 1} or {2, 3} (a real reduction over
+a group of two, and none between the pairs). Three runs of 3 training steps from one seed, on inputs that
 differ per rank: eager TE, compiled with te.autocast inside the compiled function, and the
 model compiled with te.autocast entered eagerly around it (the backward update deferred to the
 exit). Writes each run's DelayedScaling state (per module: forward and backward amax history
@@ -72,9 +73,12 @@ def main() -> None:
     rank = dist.get_rank()
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     te_compile.patch()
-    # Every rank creates every group; each uses the one of its own rank.
-    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]
-    results = {mode: run(mode, groups[rank], rank) for mode in ("eager", "traced", "outside")}
+    # Every rank creates every group; each uses the one that holds it.
+    world = dist.get_world_size()
+    members = [[r] for r in range(world)] if world < 4 else [[0, 1], [2, 3]]
+    groups = [dist.new_group(m) for m in members]
+    group = next(g for g, m in zip(groups, members, strict=True) if rank in m)
+    results = {mode: run(mode, group, rank) for mode in ("eager", "traced", "outside")}
     torch.save(results, os.path.join(args.out, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
