@@ -18,8 +18,8 @@ import torch
 from ..errors import UnsupportedUnderCompileError
 from ..kernels.fp8_operands import CACHEABLE_KINDS
 from ..kernels.process_groups import reduction_group_name
-from ..recipes import DelayedFields, QuantConfig, for_linear, unfused_update_requested
-from . import persistent_state
+from ..recipes import QuantConfig, for_linear, unfused_update_requested
+from . import delayed_state, persistent_state
 
 # Devices the compiled paths accept. On "meta" our ops run their fake kernels: simulate_gpu traces
 # that way without a GPU (the autograd engine asks the CUDA driver about every CUDA tensor).
@@ -252,59 +252,6 @@ def check_fp8_dims(**tensors: torch.Tensor) -> None:
 # ---- persistent state --------------------------------------------------------------------------
 
 
-def delayed_state(m, recipe) -> tuple[list, list]:
-    """TE's fp8_meta tensors for the ops, created at trace time (see persistent_state.py):
-    ([fwd scale, fwd amax_history[0]], [bwd scale, bwd amax_history])."""
-    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as manager
-
-    fields, group = DelayedFields.values_of(recipe), manager.get_fp8_group()
-    persistent_state.ensure_delayed_states(fields, persistent_state.is_prepared(m), group)
-    if getattr(m, persistent_state.DELAYED_ATTR, None) != fields:
-        persistent_state.reinit_delayed_state(id(m), fields, group)  # made for another recipe
-    # Each autocast exit reduces a registration's amaxes over the group it was registered
-    # under; a module registered under another group would be reduced over that one.
-    mismatch = persistent_state.group_mismatch(m.fp8_meta.get("fp8_group"), group)
-    if mismatch:
-        raise unsupported(
-            type(m).__name__,
-            f"DelayedScaling state registered under amax_reduction_group {mismatch}",
-            "run each module under one amax_reduction_group; with models under different groups, "
-            "call te_compile.prepare(model, recipe, amax_reduction_group=...) for each one "
-            "before compiling any (the first trace registers every live TE module)",
-        )
-    fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
-    # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
-    # backward update of every registered state; compiled modules leave theirs to the next
-    # autocast exit (QuantConfig.defers_backward_update), so they never claim TE's
-    # `is_first_fp8_module` flag: a Python write inside traced code is a side effect
-    # torch.utils.checkpoint refuses.
-    return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
-
-
-def delayed_op_state(fwd_state: list, bwd_state: list) -> list:
-    """A forward GEMM op's `delayed_state` ([] for recipes other than DelayedScaling): what it
-    reads of the forward state, a snapshot of the scales (see ops/delayed_scaling.scale_snapshot)
-    and never the history it updates, then the backward [scale, amax_history] that rides along
-    to the backward op. The graph path (graph_fp8) takes the same three tensors."""
-    if not fwd_state:
-        return []
-    return [torch.ops.te_compile.scale_snapshot(fwd_state[0]), *bwd_state]
-
-
-def merge_forward_amaxes(fwd_state: list, amaxes: torch.Tensor) -> None:
-    """Max-merge the amaxes a forward op recorded into TE's history (row 0), where a cached
-    weight's amax may already be (quantize_weight writes it there)."""
-    if fwd_state:
-        fwd_state[1].copy_(torch.maximum(fwd_state[1], amaxes))
-
-
-def fp8_module_state(m, recipe, cfg: QuantConfig) -> tuple[list, list]:
-    """(fwd_state, bwd_state) for the ops: DelayedScaling's state, else empty lists."""
-    if cfg.kind == "delayed":
-        return delayed_state(m, recipe)
-    return [], []
-
-
 def cached_weight(
     m, name: str, weight, cfg: QuantConfig, fwd_state: list, refresh: bool, gemm: int = 0
 ):
@@ -398,7 +345,7 @@ def gemm_state(m, g: GemmInputs, is_first_microbatch) -> GemmState:
     and its parts, fp8_params.py; else the weight and its FP8 cache) and main_grad."""
     from . import fp8_params
 
-    fwd_state, bwd_state = fp8_module_state(m, g.recipe, g.cfg)
+    fwd_state, bwd_state = delayed_state.fp8_module_state(m, g.recipe, g.cfg)
     op_weight, weight_cache = fp8_params.gemm_weight(
         m, "weight", g.weight, g.cfg, fwd_state, is_first_microbatch
     )
@@ -410,7 +357,7 @@ def gemm_state(m, g: GemmInputs, is_first_microbatch) -> GemmState:
 
 def end_forward(m, g: GemmInputs, s: GemmState, out, amaxes) -> torch.Tensor:
     """`amaxes` (the op's last output) merged into TE's history; the bias added if unfused."""
-    merge_forward_amaxes(s.fwd_state, amaxes)
+    delayed_state.merge_forward_amaxes(s.fwd_state, amaxes)
     if m.gemm_bias_unfused_add:  # row-parallel: TE adds the bias after the GEMM
         out = out + g.bias.to(g.act_dtype)
     return out

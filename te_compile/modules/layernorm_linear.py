@@ -25,7 +25,7 @@ from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..graph_fp8 import norm as graph_norm
 from ..patching import Swap
 from ..spec import NormSpec
-from . import gemm_common, tensor_parallel
+from . import delayed_state, gemm_common, tensor_parallel
 from .linear import graph_path_applies, graph_path_forward, make_forward
 
 NAME = "te.LayerNormLinear"
@@ -88,7 +88,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             ln_bias,
             s.op_weight,
             g.fused_bias,
-            gemm_common.delayed_op_state(s.fwd_state, s.bwd_state),
+            delayed_state.op_state(s.fwd_state, s.bwd_state),
             s.weight_cache,
             s.main_grad,
             norm.key,

@@ -28,7 +28,15 @@ from ..ops.layernorm_mlp_layout import MLPFlags
 from ..patching import Swap
 from ..recipes import QuantConfig
 from ..spec import NormSpec
-from . import checkpointing, fp8_params, gemm_common, linear, persistent_state, tensor_parallel
+from . import (
+    checkpointing,
+    delayed_state,
+    fp8_params,
+    gemm_common,
+    linear,
+    persistent_state,
+    tensor_parallel,
+)
 
 NAME = "te.LayerNormMLP"
 
@@ -114,7 +122,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     b2 = self.fc2_bias if self.use_bias else None
     b2_fused = b2 if self.apply_bias and not self.gemm_bias_unfused_add else None
     grad = torch.is_grad_enabled()
-    fwd_state, bwd_state = gemm_common.fp8_module_state(self, recipe, cfg)
+    fwd_state, bwd_state = delayed_state.fp8_module_state(self, recipe, cfg)
 
     if fp8 and is_first_microbatch is not None and not gemm_common.is_quantized(w2):
         # Both caches exist before either is read: dynamo keeps the cache dict as it first read
@@ -153,9 +161,9 @@ def compiled_forward(self, inp, is_first_microbatch=None):
             value = graph_norm.unrounded(x, ln_w, ln_b, mu, rsigma, norm)
         b1, b2_fused = (b.to(act_dtype) if b is not None else None for b in (b1, b2_fused))
         call = graph_mlp.MLPFP8(cfg, act_dtype)
-        state = gemm_common.delayed_op_state(fwd_state, bwd_state) or None
+        state = delayed_state.op_state(fwd_state, bwd_state) or None
         out, amaxes = graph_mlp.mlp(ln_out, w1, b1, w2, b2_fused, call, state, value)
-        gemm_common.merge_forward_amaxes(fwd_state, amaxes)
+        delayed_state.merge_forward_amaxes(fwd_state, amaxes)
         return _returned(self, out.view(*inp.shape[:-1], out.shape[-1]), b2, act_dtype, None)
     mlp = MLPSpec(
         activation=self.activation,
@@ -165,7 +173,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
     )
     outputs = torch.ops.te_compile.layernorm_mlp_fwd(
         *(inp, ln_w, ln_b, op_w1, b1, op_w2, b2_fused),
-        delayed_state=gemm_common.delayed_op_state(fwd_state, bwd_state),
+        delayed_state=delayed_state.op_state(fwd_state, bwd_state),
         fc1_cache=fc1_cache,
         fc2_cache=fc2_cache,
         fc1_main_grad=main1,
@@ -177,7 +185,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         flags=_flags(grad, is_first_microbatch, (inp, ln_w, ln_b), w1, b1, w2).key,
         parallel=parallel,
     )
-    gemm_common.merge_forward_amaxes(fwd_state, outputs[-1])
+    delayed_state.merge_forward_amaxes(fwd_state, outputs[-1])
     ln_out = outputs[1] if self.return_layernorm_output else None
     return _returned(self, outputs[0], b2, act_dtype, ln_out)
 

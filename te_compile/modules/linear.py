@@ -27,7 +27,7 @@ import torch
 from .. import ops  # noqa: F401  (registers the te_compile ops)
 from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
-from . import fp8_params, gemm_common, tensor_parallel
+from . import delayed_state, fp8_params, gemm_common, tensor_parallel
 
 DEVICE_TYPES = gemm_common.DEVICE_TYPES  # (read here by the other modules' compiled paths)
 NAME = "te.Linear"
@@ -66,7 +66,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
         inp,
         s.op_weight,
         g.fused_bias,
-        gemm_common.delayed_op_state(s.fwd_state, s.bwd_state),
+        delayed_state.op_state(s.fwd_state, s.bwd_state),
         s.weight_cache,
         s.main_grad,
         g.cfg.key,
@@ -104,7 +104,7 @@ def graph_path_forward(g, s, inp, x_value=None):
     value is `x_value` under DelayedScaling)."""
     call = graph_linear.LinearFP8(g.cfg, g.act_dtype)
     bias = None if g.fused_bias is None else g.fused_bias.to(g.act_dtype)
-    delayed = tuple(gemm_common.delayed_op_state(s.fwd_state, s.bwd_state)) or None
+    delayed = tuple(delayed_state.op_state(s.fwd_state, s.bwd_state)) or None
     return graph_linear.linear(inp, g.weight, bias, call, delayed, x_value)
 
 
