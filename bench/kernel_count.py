@@ -51,7 +51,7 @@ _NUM_GB = re.compile(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.e+-]+)")
 
 
 def count(
-    recipe_name: str, hidden: int, tokens: int
+    recipe_name: str, hidden: int, tokens: int, inductor: dict | None = None
 ) -> list[tuple[int, int, float, collections.Counter]]:
     torch._dynamo.reset()
     rec = InductorRecorder("hopper")
@@ -59,7 +59,7 @@ def count(
     with (
         te_compile.simulate_gpu("hopper"),
         rec.context(),
-        inductor_config.patch(benchmark_kernel=True),
+        inductor_config.patch(benchmark_kernel=True, **(inductor or {})),
     ):
         if recipe_name == "torch":  # the same block in plain PyTorch bf16 (bench/stacks.py)
             stacks.HEAD_DIM = 64
@@ -113,10 +113,20 @@ def main() -> None:
     p.add_argument("--recipes", default="current,delayed")
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--tokens", type=int, default=512)
+    p.add_argument(
+        "--inductor",
+        default="",
+        help="inductor config, e.g. combo_kernels=1,triton.cooperative_reductions=1",
+    )
     args = p.parse_args()
+    inductor = {}
+    for item in filter(None, args.inductor.split(",")):
+        key, value = item.split("=")
+        inductor[key] = bool(int(value)) if value in ("0", "1") else value
     te_compile.patch()
     print(
-        f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, torch {torch.__version__}"
+        f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, "
+        f"torch {torch.__version__}, inductor: {args.inductor or 'defaults'}"
     )
     print(
         "| recipe | graph | Triton kernels | launches | MB moved | inputs / outputs "
@@ -127,7 +137,9 @@ def main() -> None:
     # DelayedScaling layer registered in the process, so a recipe after it would count that too.
     for name in sorted(args.recipes.split(","), key=lambda name: name == "delayed"):
         for graph, (kernels, launches, megabytes, calls, (ins, outs)) in zip(
-            ("forward", "backward"), count(name, args.hidden, args.tokens), strict=False
+            ("forward", "backward"),
+            count(name, args.hidden, args.tokens, inductor),
+            strict=False,
         ):
             ops = ", ".join(f"{op.split('.')[-1]} {n}" for op, n in sorted(calls.items()))
             row = f"| {name} | {graph} | {kernels} | {launches} | {megabytes:.1f} | {ins} / {outs}"
