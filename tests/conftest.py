@@ -40,6 +40,25 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_te)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def inductor_config_from_env():
+    """TE_COMPILE_TEST_INDUCTOR="combo_kernels=1,triton.cooperative_reductions=1" runs the suite
+    with that inductor config (e.g. the GPU suite's bit-identity checks under an option a user
+    may set; docs/performance.md, session 31). Tests only: inductor's config is private."""
+    spec = os.environ.get("TE_COMPILE_TEST_INDUCTOR", "")
+    if not spec:
+        yield
+        return
+    from torch._inductor import config
+
+    options = {}
+    for item in spec.split(","):
+        key, value = item.split("=")
+        options[key] = bool(int(value)) if value in ("0", "1") else value
+    with config.patch(options):
+        yield
+
+
 @pytest.fixture
 def backend():
     return RecordingBackend()
