@@ -1,6 +1,6 @@
 """The GPT of examples/models.py trained data-parallel on several GPUs, compiled and eagerly,
 with TE FP8: DDP and FSDP2, DelayedScaling (amax reduced over the data-parallel group) and
-Float8CurrentScaling. Launch with torchrun:
+Float8CurrentScaling (`delayed_local`: DelayedScaling without the reduction). Launch with torchrun:
 
     torchrun --nproc-per-node 2 examples/distributed_gpt.py [--steps 50] [--out DIR]
 
@@ -11,6 +11,8 @@ step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) unde
 
 - ddp: `DistributedDataParallel` around a module whose forward is the training step (forward +
   loss, te.autocast inside), that module compiled with fullgraph=True.
+- ddp-outside: the same, with the model alone compiled (fullgraph) and te.autocast entered
+  eagerly around it (DelayedScaling's backward update deferred to the autocast's exit).
 - fsdp2: `fully_shard` on each TransformerLayer, then on the model; compiled per block
   (`torch.compile(layer, fullgraph=True)` on each TransformerLayer, te.autocast around the
   model call, as torchtitan compiles), the regional compilation FSDP2 is used with.
@@ -62,6 +64,7 @@ import models as M  # noqa: E402
 BATCH, SEQ, LR = 4, 128, 3e-3
 RECIPES = {
     "delayed": lambda: R.DelayedScaling(reduce_amax=True),
+    "delayed_local": lambda: R.DelayedScaling(reduce_amax=False),  # each rank's own amaxes
     "current": lambda: R.Float8CurrentScaling(),
     "block": lambda: R.Float8BlockScaling(),
 }
@@ -89,11 +92,13 @@ def build(wrapper: str, recipe, compiled: bool):
     if wrapper == FP8_WRAPPER:
         return build_fp8(recipe, compiled)
     gpt = M.GPT(M.GPTConfig(max_seq_len=SEQ))
-    if wrapper == "ddp":
+    if wrapper in ("ddp", "ddp-outside"):
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         step = LossStep(gpt, recipe)
-        if compiled:  # DDP's own forward does not trace (fullgraph); compile what it wraps
+        if compiled and wrapper == "ddp-outside":  # the model alone; te.autocast eager around it
+            gpt.compile(fullgraph=True)
+        elif compiled:  # DDP's own forward does not trace (fullgraph); compile what it wraps
             step.compile(fullgraph=True)
         return gpt, DDP(step, device_ids=[torch.cuda.current_device()])
     from torch.distributed.fsdp import fully_shard

@@ -105,6 +105,8 @@ case "${PART:-all}" in
   # HF transformers + accelerate (skips without them: docs/gpu.md brings them as wheels);
   # about 2 minutes on an H100 (session 25)
   hf) files=($g/test_hf_gpu.py) ;;
+  # examples/distributed_gpt.py on one rank (FSDP2 and DDP, one GPU; about 2 minutes)
+  dp1) files=($g/test_fsdp2_one_rank_gpu.py) ;;
   # The files that need 2 or more GPUs (torchrun inside; they skip with one): not in a PARTS
   # queue, whose parts see one GPU each. DDP/FSDP2 about 10 minutes, tensor parallel about 2.
   multi) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py $g/test_distributed_gpu.py) ;;
