@@ -1,0 +1,149 @@
+"""Where FSDP2 + DelayedScaling with per-block compilation parts from the same model without
+FSDP2: a diagnosis table, one GPU, one process (session 32's open divergence,
+docs/distributed.md "Known issue").
+
+    python bench/fsdp2_delayed_probe.py [--steps 4] [--recipe delayed_local] [--graph-fp8 auto]
+
+The GPT of examples/models.py (2 TransformerLayers), te.autocast entered eagerly around the
+model (`M.train_step`), AdamW, the same batches. Four runs: eager and compiled per block
+(`layer.compile(fullgraph=True)`), each plain and under `fully_shard` (world size 1: FSDP2's
+all-gather and reduce-scatter are copies, so its runs should match the plain ones but for eager
+TE's own FSDP2 branch, which re-quantizes the weight for dgrad in backward). After every step
+it records the loss, every parameter's gradient (before the optimizer step) and every TE
+module's DelayedScaling scales and histories, then prints, per step and pair of runs, the
+first tensor that differs and by how much. Reading it: "compiled plain vs compiled fsdp2" is
+the one that should be equal; the first differing tensor names the module and the state or
+gradient where FSDP2 changes what the compiled path does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+import models as M  # noqa: E402
+import transformer_engine.pytorch as te  # noqa: E402
+from transformer_engine.common import recipe as R  # noqa: E402
+from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS  # noqa: E402
+
+import te_compile  # noqa: E402
+
+RECIPES = {
+    "delayed_local": lambda: R.DelayedScaling(reduce_amax=False),
+    "delayed": lambda: R.DelayedScaling(reduce_amax=True),
+    "current": lambda: R.Float8CurrentScaling(),
+}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor (world size 1: the whole tensor), else `t`."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def run(fsdp: bool, compiled: bool, recipe_name: str, data) -> list[dict]:
+    """Per step: {name: tensor} of the loss, gradients and DelayedScaling state."""
+    torch._dynamo.reset()
+    FGS.reset()
+    torch.manual_seed(0)
+    gpt = M.GPT(M.GPTConfig(max_seq_len=data[0][0].shape[1]))
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in gpt.layers:
+            fully_shard(layer)
+    if compiled:
+        for layer in gpt.layers:
+            layer.compile(fullgraph=True)
+    if fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(gpt)
+    opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
+    step = M.train_step(gpt, RECIPES[recipe_name]())
+    records = []
+    for tokens, targets in data:
+        loss = step(tokens, targets)
+        loss.backward()
+        rec = {"loss": loss.detach().float().reshape(1)}
+        for name, p in gpt.named_parameters():
+            if p.grad is not None:
+                rec[f"grad {name}"] = _local(p.grad).detach().clone()
+        for name, m in gpt.named_modules():
+            meta = getattr(m, "fp8_meta", None)
+            if not isinstance(meta, dict):
+                continue
+            for d in ("scaling_fwd", "scaling_bwd"):
+                s = meta.get(d)
+                if s is not None and hasattr(s, "amax_history"):
+                    rec[f"{name} {d}.scale"] = s.scale.detach().clone()
+                    rec[f"{name} {d}.amax_history"] = s.amax_history.detach().clone()
+        records.append(rec)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return records
+
+
+def first_difference(a: dict, b: dict) -> str:
+    for name in a:
+        if name not in b:
+            return f"{name}: only in the first run"
+        x, y = a[name].float(), b[name].float()
+        if x.shape != y.shape:
+            return f"{name}: shapes {tuple(x.shape)} vs {tuple(y.shape)}"
+        if not torch.equal(x, y):
+            diff = (x - y).abs()
+            where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
+            return f"{name}: max |diff| {diff.max().item():.4g} at {where} ({x[where].item():.6g} vs {y[where].item():.6g})"
+    missing = [n for n in b if n not in a]
+    return f"{missing[0]}: only in the second run" if missing else "equal"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--recipe", default="delayed_local", choices=sorted(RECIPES))
+    p.add_argument("--graph-fp8", default="auto", choices=["auto", "on", "off"])
+    args = p.parse_args()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    te_compile.patch()
+    te_compile.configure(graph_fp8={"auto": None, "on": True, "off": False}[args.graph_fp8])
+    data = M.synthetic_batches(256, 4, 128, args.steps, seed=1)
+    runs = {
+        (fsdp, compiled): run(fsdp, compiled, args.recipe, data)
+        for compiled in (False, True)
+        for fsdp in (False, True)
+    }
+    label = {(False, False): "eager plain", (True, False): "eager fsdp2"}
+    label |= {(False, True): "compiled plain", (True, True): "compiled fsdp2"}
+    pairs = [((False, True), (True, True)), ((False, False), (False, True))]
+    pairs += [((False, False), (True, False)), ((True, False), (True, True))]
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TE {te.__version__}, "
+        f"recipe {args.recipe}, graph_fp8 {args.graph_fp8}"
+    )
+    for i in range(args.steps):
+        print(
+            f"step {i}: losses "
+            + ", ".join(f"{label[k]} {runs[k][i]['loss'].item():.5f}" for k in label)
+        )
+        for a, b in pairs:
+            print(
+                f"  {label[a]:>14s} vs {label[b]:<14s} {first_difference(runs[a][i], runs[b][i])}"
+            )
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
