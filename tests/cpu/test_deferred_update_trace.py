@@ -148,3 +148,31 @@ def test_flushes_skip_a_module_now_set_up_for_another_recipe(patched):
         linear.fp8_meta["scaling_bwd"] = object()  # another recipe's state: no amax_history
         delayed_updates._flush_module(linear)
         te_compile.flush_delayed_updates()
+
+
+@pytest.mark.parametrize("fsdp_managed", [False, True], ids=["plain", "fsdp2"])
+def test_fsdp2_with_delayed_scaling_warns_once(fsdp_managed, patched, monkeypatch):
+    """Modules under fully_shard (which marks every module of its subtree
+    `_is_fsdp_managed_module` and `_fsdp_use_orig_params`, torch/distributed/fsdp/_fully_shard/
+    _fully_shard.py; dynamo then treats them as FSDP-managed) compiled
+    with DelayedScaling: one warning per process at trace time, naming the open divergence
+    (docs/distributed.md); none without FSDP2."""
+    import warnings
+
+    from te_compile.modules import delayed_state
+
+    monkeypatch.setattr(delayed_state, "_FSDP2_WARNED", [False])
+    recipe = R.DelayedScaling(amax_history_len=4)
+    with te_compile.simulate_gpu("hopper"), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model = _two_layers("Linear")
+        for m in model if fsdp_managed else ():
+            m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
+        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            with te.autocast(recipe=recipe):
+                y = compiled(x)
+            y.float().sum().backward()
+    hits = [w for w in seen if str(w.message) == delayed_state.FSDP2_DELAYED_WARNING]
+    assert len(hits) == (1 if fsdp_managed else 0), [str(w.message)[:80] for w in seen]
