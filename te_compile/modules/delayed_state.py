@@ -4,8 +4,6 @@ view of them, and the forward amaxes merged back into TE's history row 0."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from ..errors import UnsupportedUnderCompileError
@@ -33,8 +31,6 @@ def module_state(m, recipe) -> tuple[list, list]:
             "different groups, call te_compile.prepare(model, recipe, amax_reduction_group=...) "
             "for each one before compiling any (the first trace registers every live TE module)."
         )
-    if getattr(m, "_is_fsdp_managed_module", False):  # fully_shard's mark on its subtree
-        warn_fsdp2_delayed()
     fwd, bwd = m.fp8_meta["scaling_fwd"], m.fp8_meta["scaling_bwd"]
     # Eager TE lets the first FP8 module of an autocast (by forward order, with grad) run the
     # backward update of every registered state; compiled modules leave theirs to the next
@@ -42,25 +38,6 @@ def module_state(m, recipe) -> tuple[list, list]:
     # `is_first_fp8_module` flag: a Python write inside traced code is a side effect
     # torch.utils.checkpoint refuses.
     return [fwd.scale, fwd.amax_history[0]], [bwd.scale, bwd.amax_history]
-
-
-FSDP2_DELAYED_WARNING = (
-    "te_compile: DelayedScaling under FSDP2 (fully_shard) with compiled TE modules did not train "
-    "like eager TE in te_compile's own runs (a GPT compiled per block: losses up to 1.0 apart "
-    "over 50 steps, against 0.04 under DDP; cause open, docs/distributed.md 'Known issue'). "
-    "Compare your loss with an eager run, or use Float8CurrentScaling."
-)
-_FSDP2_WARNED = [False]
-
-
-@torch.compiler.assume_constant_result
-def warn_fsdp2_delayed() -> bool:
-    """Warn once per process, at trace time (run for real by dynamo), about the open FSDP2 +
-    DelayedScaling divergence: not silent, and not refused while its cause is unknown."""
-    if not _FSDP2_WARNED[0]:
-        _FSDP2_WARNED[0] = True
-        warnings.warn(FSDP2_DELAYED_WARNING, stacklevel=2)
-    return True
 
 
 def op_state(fwd_state: list, bwd_state: list) -> list:

@@ -159,9 +159,7 @@ def test_fsdp2_with_delayed_scaling_warns_once(fsdp_managed, patched, monkeypatc
     (docs/distributed.md); none without FSDP2."""
     import warnings
 
-    from te_compile.modules import delayed_state
-
-    monkeypatch.setattr(delayed_state, "_FSDP2_WARNED", [False])
+    monkeypatch.setattr(persistent_state, "_FSDP2_WARNED", [False])
     recipe = R.DelayedScaling(amax_history_len=4)
     with te_compile.simulate_gpu("hopper"), warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -174,5 +172,5 @@ def test_fsdp2_with_delayed_scaling_warns_once(fsdp_managed, patched, monkeypatc
             with te.autocast(recipe=recipe):
                 y = compiled(x)
             y.float().sum().backward()
-    hits = [w for w in seen if str(w.message) == delayed_state.FSDP2_DELAYED_WARNING]
+    hits = [w for w in seen if str(w.message) == persistent_state.FSDP2_DELAYED_WARNING]
     assert len(hits) == (1 if fsdp_managed else 0), [str(w.message)[:80] for w in seen]
