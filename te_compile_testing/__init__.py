@@ -246,3 +246,22 @@ def graph_fp8(on: bool = True):
         yield
     finally:
         options.configure(graph_fp8=before)
+
+
+def torchrun(script, nproc: int, args: list, timeout: int, env=None, tail: int = 6000):
+    """`python -m torch.distributed.run --nproc-per-node nproc script *args` with this checkout
+    on PYTHONPATH (the GPU suite's multi-process tests): the finished process, its output's
+    tail printed. `env`: variables to set (PET_MASTER_PORT: two side by side on one host)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    path = f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += [str(script), *map(str, args)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout[-tail:], proc.stderr[-tail:])
+    return proc

@@ -8,16 +8,14 @@ Skips without 2 CUDA GPUs."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from te_compile_testing import torchrun
+
 pytestmark = pytest.mark.gpu
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -25,11 +23,8 @@ def ranks(tmp_path_factory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     out = tmp_path_factory.mktemp("amax_group")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     n = 4 if torch.cuda.device_count() >= 4 else 2
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-    cmd += [str(Path(__file__).with_name("amax_group_worker.py")), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(Path(__file__).with_name("amax_group_worker.py"), n, ["--out", out], 600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(n)]
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from te_compile_testing import torchrun
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,12 +44,8 @@ def run(tmp_path_factory):
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
     out = tmp_path_factory.mktemp("distributed")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += [str(ROOT / "examples" / "distributed_gpt.py"), "--out", str(out), "--resume"]
-    cmd += ["--cases", ",".join(CASES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    print(proc.stdout[-6000:], proc.stderr[-6000:])
+    args = ["--out", out, "--resume", "--cases", ",".join(CASES)]
+    proc = torchrun(ROOT / "examples" / "distributed_gpt.py", 2, args, timeout=1200)
     path = out / "distributed-gpt.json"
     assert path.exists(), proc.stderr[-3000:]
     results = json.loads(path.read_text())

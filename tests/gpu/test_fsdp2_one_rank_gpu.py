@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from te_compile_testing import torchrun
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,13 +31,9 @@ def run(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = tmp_path_factory.mktemp("fsdp2_one_rank")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    env.setdefault("PET_MASTER_PORT", "29517")  # beside a 2-GPU torchrun on the same host
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
-    cmd += [str(ROOT / "examples" / "distributed_gpt.py"), "--out", str(out), "--no-state"]
-    cmd += ["--cases", ",".join(CASES)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    args = ["--out", out, "--no-state", "--cases", ",".join(CASES)]
+    port = {"PET_MASTER_PORT": os.environ.get("PET_MASTER_PORT", "29517")}  # beside a 2-GPU run
+    proc = torchrun(ROOT / "examples" / "distributed_gpt.py", 1, args, timeout=900, env=port)
     path = out / "distributed-gpt.json"
     assert path.exists(), proc.stderr[-3000:]
     return json.loads(path.read_text())

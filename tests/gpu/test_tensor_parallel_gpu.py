@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from te_compile_testing import torchrun
 
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,15 +37,11 @@ def run(tmp_path_factory):
         pytest.skip("needs CUDA")
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     out = tmp_path_factory.mktemp("tensor_parallel")
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += [str(ROOT / "examples" / "tensor_parallel.py"), "--out", str(out)]
     # gloo has no coalesced collectives (TE's blockwise gather) and its group is unusable after
     # trying one: those cases are not run there
     cases = [c for c in CASES if backend == "nccl" or not c.endswith("block/sp")]
-    cmd += ["--cases", ",".join(cases), "--backend", backend]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
-    print(proc.stdout[-6000:], proc.stderr[-6000:])
+    args = ["--out", out, "--cases", ",".join(cases), "--backend", backend]
+    proc = torchrun(ROOT / "examples" / "tensor_parallel.py", 2, args, timeout=1200)
     path = out / "tensor-parallel.json"
     assert path.exists(), proc.stderr[-3000:]
     dest = os.environ.get("OUT")
