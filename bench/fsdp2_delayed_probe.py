@@ -11,7 +11,9 @@ all-gather and reduce-scatter are copies, so its runs should match the plain one
 TE's own FSDP2 branch, which re-quantizes the weight for dgrad in backward). After every step
 it records the loss, every parameter's gradient (before the optimizer step) and every TE
 module's DelayedScaling scales and histories, then prints, per step and pair of runs, the
-first tensor that differs and by how much. Reading it: "compiled plain vs compiled fsdp2" is
+first tensor that differs and by how much. A fifth run repeats the compiled FSDP2 one with
+dynamo's guards on FSDP-managed modules (`skip_fsdp_guards=False`; dynamo skips them by
+default), and the graphs each run compiled are counted. Reading it: "compiled plain vs compiled fsdp2" is
 the one that should be equal; the first differing tensor names the module and the state or
 gradient where FSDP2 changes what the compiled path does.
 """
@@ -119,28 +121,36 @@ def main() -> int:
     te_compile.patch()
     te_compile.configure(graph_fp8={"auto": None, "on": True, "off": False}[args.graph_fp8])
     data = M.synthetic_batches(256, 4, 128, args.steps, seed=1)
-    runs = {
-        (fsdp, compiled): run(fsdp, compiled, args.recipe, data)
-        for compiled in (False, True)
-        for fsdp in (False, True)
+    from torch._dynamo.utils import counters
+
+    variants = {  # label: (fsdp, compiled, dynamo config)
+        "eager plain": (False, False, {}),
+        "eager fsdp2": (True, False, {}),
+        "compiled plain": (False, True, {}),
+        "compiled fsdp2": (True, True, {}),
+        # dynamo skips guards on FSDP-managed modules by default: with them, does it part still?
+        "fsdp2+guards": (True, True, {"skip_fsdp_guards": False}),
     }
-    label = {(False, False): "eager plain", (True, False): "eager fsdp2"}
-    label |= {(False, True): "compiled plain", (True, True): "compiled fsdp2"}
-    pairs = [((False, True), (True, True)), ((False, False), (False, True))]
-    pairs += [((False, False), (True, False)), ((True, False), (True, True))]
+    runs, graphs = {}, {}
+    for name, (fsdp, compiled, config) in variants.items():
+        before = counters["stats"]["unique_graphs"]
+        with torch._dynamo.config.patch(config):
+            runs[name] = run(fsdp, compiled, args.recipe, data)
+        graphs[name] = counters["stats"]["unique_graphs"] - before
+    pairs = [("compiled plain", "compiled fsdp2"), ("compiled plain", "fsdp2+guards")]
+    pairs += [("eager plain", "compiled plain"), ("eager plain", "eager fsdp2")]
+    pairs += [("eager fsdp2", "compiled fsdp2")]
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TE {te.__version__}, "
-        f"recipe {args.recipe}, graph_fp8 {args.graph_fp8}"
+        f"recipe {args.recipe}, graph_fp8 {args.graph_fp8}; graphs compiled: {graphs}"
     )
     for i in range(args.steps):
         print(
             f"step {i}: losses "
-            + ", ".join(f"{label[k]} {runs[k][i]['loss'].item():.5f}" for k in label)
+            + ", ".join(f"{k} {r[i]['loss'].item():.5f}" for k, r in runs.items())
         )
         for a, b in pairs:
-            print(
-                f"  {label[a]:>14s} vs {label[b]:<14s} {first_difference(runs[a][i], runs[b][i])}"
-            )
+            print(f"  {a:>14s} vs {b:<14s} {first_difference(runs[a][i], runs[b][i])}")
     dist.destroy_process_group()
     return 0
 
