@@ -38,6 +38,7 @@ from transformer_engine.common import recipe as R  # noqa: E402
 
 import te_compile  # noqa: E402
 from te_compile.tools.check_inductor import InductorRecorder  # noqa: E402
+from te_compile_testing import inductor_options  # noqa: E402
 
 RECIPES = {
     "current": R.Float8CurrentScaling,
@@ -119,10 +120,7 @@ def main() -> None:
         help="inductor config, e.g. combo_kernels=1,triton.cooperative_reductions=1",
     )
     args = p.parse_args()
-    inductor = {}
-    for item in filter(None, args.inductor.split(",")):
-        key, value = item.split("=")
-        inductor[key] = bool(int(value)) if value in ("0", "1") else value
+    inductor = inductor_options(args.inductor)
     te_compile.patch()
     print(
         f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, "

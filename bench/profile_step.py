@@ -53,6 +53,7 @@ from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
 import te_compile  # noqa: E402
+from te_compile_testing import inductor_options  # noqa: E402
 
 RECIPES = {
     "bf16": lambda: None,
@@ -74,12 +75,9 @@ def compile_options(spec: str, graphs: bool) -> dict | None:
     if not spec:
         return None
     options = {"triton.cudagraphs": True} if graphs else {}
-    for item in spec.split(","):
-        key, value = item.split("=")
-        if key == "guards":
-            options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS[value])
-        else:
-            options[key] = bool(int(value)) if value in ("0", "1") else value
+    options |= inductor_options(spec)
+    if "guards" in options:
+        options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS[options.pop("guards")])
     return options
 
 

@@ -248,6 +248,16 @@ def graph_fp8(on: bool = True):
         options.configure(graph_fp8=before)
 
 
+def inductor_options(spec: str) -> dict:
+    """Inductor config from "key=value,..." (0 and 1 as booleans), as the test harness's
+    TE_COMPILE_TEST_INDUCTOR and the bench scripts' --inductor take it."""
+    options = {}
+    for item in filter(None, spec.split(",")):
+        key, value = item.split("=")
+        options[key] = bool(int(value)) if value in ("0", "1") else value
+    return options
+
+
 def torchrun(script, nproc: int, args: list, timeout: int, env=None, tail: int = 6000):
     """`python -m torch.distributed.run --nproc-per-node nproc script *args` with this checkout
     on PYTHONPATH (the GPU suite's multi-process tests): the finished process, its output's

@@ -13,7 +13,7 @@ import warnings
 import pytest
 import torch
 
-from te_compile_testing import GENERATIONS, RecordingBackend, recipe_supported
+from te_compile_testing import GENERATIONS, RecordingBackend, inductor_options, recipe_supported
 
 warnings.filterwarnings("ignore", module="transformer_engine")
 
@@ -51,11 +51,7 @@ def inductor_config_from_env():
         return
     from torch._inductor import config
 
-    options = {}
-    for item in spec.split(","):
-        key, value = item.split("=")
-        options[key] = bool(int(value)) if value in ("0", "1") else value
-    with config.patch(options):
+    with config.patch(inductor_options(spec)):
         yield
 
 
