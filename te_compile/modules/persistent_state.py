@@ -140,7 +140,7 @@ def prepare_module(module, fields: tuple | None, group=None) -> None:
         if getattr(module, DELAYED_ATTR, None) != fields:
             _init_delayed(module, fields, group)
         registered = module.fp8_meta.get("fp8_group")
-        if registered is not group:  # TE's buffers cannot move a registration
+        if group_mismatch(registered, group):  # TE's buffers cannot move a registration
             raise RuntimeError(
                 f"te_compile.prepare: {type(module).__name__}'s DelayedScaling state is already "
                 f"registered under amax_reduction_group {_group_label(registered)}, not "
@@ -214,6 +214,7 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False, group=None) -> 
     marked): registering a module of another model would make compiled code mutate tensors it
     cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
     mutated input)."""
+    # (no list held across the gc.collect below: it would keep unreachable modules alive)
     _warn_if_fsdp2(_modules(prepared))
     if all(getattr(m, DELAYED_ATTR, None) is not None for m in _modules(prepared)):
         return True  # every trace after the first: nothing to create
