@@ -54,18 +54,15 @@ def run(fsdp: bool, compiled: bool, recipe_name: str, data) -> list[dict]:
     torch._dynamo.reset()
     FGS.reset()
     torch.manual_seed(0)
-    gpt = M.GPT(M.GPTConfig(max_seq_len=data[0][0].shape[1]))
-    if fsdp:
-        from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard
 
-        for layer in gpt.layers:
+    gpt = M.GPT(M.GPTConfig(max_seq_len=data[0][0].shape[1]))
+    for layer in gpt.layers:  # as examples/distributed_gpt.py: shard, compile, then the root
+        if fsdp:
             fully_shard(layer)
-    if compiled:
-        for layer in gpt.layers:
+        if compiled:
             layer.compile(fullgraph=True)
     if fsdp:
-        from torch.distributed.fsdp import fully_shard
-
         fully_shard(gpt)
     opt = torch.optim.AdamW(gpt.parameters(), lr=3e-3)
     step = M.train_step(gpt, RECIPES[recipe_name]())
