@@ -246,7 +246,7 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
-            scales = Scales.of(backward_scales(cfg, bwd_scale))
+            scales = backward_scales(bwd_scale, dy2d)
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
                 fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scales, cfg)
             else:
@@ -328,16 +328,13 @@ def _graph_updates(cfg: QuantConfig) -> bool:
     return delayed_update.applies(cfg.amax_algo, cfg.margin, cfg.fused_update)
 
 
-def backward_scales(cfg: QuantConfig, scale: torch.Tensor) -> torch.Tensor:
-    """The backward scales grad_output's cast reads: TE's tensor itself where nothing in the
-    backward writes it (the update deferred to the autocast exit) or the graph writes it
-    (functionalized, the write comes after every read), else a copy taken before the op's
-    update. Read in place before the op's update, inductor (torch 2.11) scheduled the fused
-    cast after the op's write and quantized with the new scale (H100: aot_eager exact,
-    inductor not)."""
-    if cfg.defers_backward_update or _graph_updates(cfg):
-        return scale
-    return torch.ops.te_compile.scale_snapshot(scale)
+def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
+    """The backward scales grad_output's cast reads and their reciprocals, from a copy of TE's
+    tensor read in the backward (te_compile::scale_in_backward, tied to `grad`): neither the
+    partitioner (which could move a read of a forward input alone into the forward graph, before
+    the autocast exit's update) nor inductor (which, torch 2.11 on the H100, scheduled a fused
+    cast after the op's own write of the scale) can move it."""
+    return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
 
 
 def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:
@@ -348,12 +345,17 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
     operations (delayed_update.py) where they are TE's arithmetic, else TE's kernel."""
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
     slots = {delayed_slot("grad", gemm): a for gemm, a in enumerate(grad_amaxes)}
-    latest = torch.maximum(history[0], in_slots(history[0], slots))
+    amaxes = in_slots(history[0], slots)
     if cfg.defers_backward_update:
-        # the whole tensor: a row's copy_ in a backward graph fails AOT autograd's partitioner
-        # (torch 2.11: "select_scatter was invalid, but is output")
-        history.copy_(torch.cat([latest[None], history[1:]]))
+        # Every read of the history in one operation with the amaxes (a max with 0 leaves rows
+        # 1.. as they are): a read of it alone could be moved into the forward graph, and the
+        # autocast exit rolls the history between forward and backward. The whole tensor: a
+        # row's copy_ in a backward graph fails AOT autograd's partitioner (torch 2.11:
+        # "select_scatter was invalid, but is output").
+        rows = torch.nn.functional.pad(amaxes[None], (0, 0, 0, history.shape[0] - 1))
+        history.copy_(torch.maximum(history, rows))
         return
+    latest = torch.maximum(history[0], amaxes)
     if _graph_updates(cfg):
         new_history, new_scale = delayed_update.updated(
             history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin

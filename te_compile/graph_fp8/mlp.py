@@ -154,7 +154,7 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scales = linear.Scales.of(linear.backward_scales(cfg, bwd_scale))
+            scales = linear.backward_scales(bwd_scale, dy)
             if ctx.biases[1]:
                 db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scales, cfg, _FC2)
             else:

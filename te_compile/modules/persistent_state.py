@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import warnings
 import weakref
 
 import torch
@@ -215,7 +214,6 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False, group=None) -> 
     cannot reach through its own modules, which inductor's CUDA graphs refuse (a non-static
     mutated input)."""
     # (no list held across the gc.collect below: it would keep unreachable modules alive)
-    _warn_if_fsdp2(_modules(prepared))
     if all(getattr(m, DELAYED_ATTR, None) is not None for m in _modules(prepared)):
         return True  # every trace after the first: nothing to create
     recipe = DelayedFields(*fields).recipe()
@@ -228,24 +226,6 @@ def ensure_delayed_states(fields: tuple, prepared: bool = False, group=None) -> 
     for module in _modules(prepared):
         _ensure_delayed(module, fields, recipe, group)
     return True
-
-
-FSDP2_DELAYED_WARNING = (
-    "te_compile: DelayedScaling under FSDP2 (fully_shard) with compiled TE modules did not train "
-    "like eager TE in te_compile's own runs (a GPT compiled per block: losses up to 1.0 apart "
-    "over 50 steps, against 0.04 under DDP; cause open, docs/distributed.md 'Known issue'). "
-    "Compare your loss with an eager run, or use Float8CurrentScaling."
-)
-_FSDP2_WARNED = [False]
-
-
-def _warn_if_fsdp2(modules) -> None:
-    """Once per process, at trace time: the open FSDP2 + DelayedScaling divergence, not silent
-    and not refused while its cause is unknown. fully_shard marks every module of its subtree
-    `_is_fsdp_managed_module`; read here, eagerly, so compiled code gets no guard on it."""
-    if not _FSDP2_WARNED[0] and any(getattr(m, "_is_fsdp_managed_module", False) for m in modules):
-        _FSDP2_WARNED[0] = True
-        warnings.warn(FSDP2_DELAYED_WARNING, stacklevel=2)
 
 
 @torch.compiler.assume_constant_result

@@ -150,27 +150,43 @@ def test_flushes_skip_a_module_now_set_up_for_another_recipe(patched):
         te_compile.flush_delayed_updates()
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
 @pytest.mark.parametrize("fsdp_managed", [False, True], ids=["plain", "fsdp2"])
-def test_fsdp2_with_delayed_scaling_warns_once(fsdp_managed, patched, monkeypatch):
-    """Modules under fully_shard (which marks every module of its subtree
-    `_is_fsdp_managed_module` and `_fsdp_use_orig_params`, torch/distributed/fsdp/_fully_shard/
-    _fully_shard.py; dynamo then treats them as FSDP-managed) compiled
-    with DelayedScaling: one warning per process at trace time, naming the open divergence
-    (docs/distributed.md); none without FSDP2."""
-    import warnings
-
-    monkeypatch.setattr(persistent_state, "_FSDP2_WARNED", [False])
+def test_backward_reads_state_in_backward(fsdp_managed, kind, bias, patched):
+    """The graph path's backward reads TE's backward scale and history in the backward graph,
+    from the forward inputs themselves: the autocast exit updates both between forward and
+    backward. AOT autograd's partitioner may instead compute in the forward, and save, what
+    depends on forward inputs alone; it did so under FSDP2 (fully_shard marks every module of
+    its subtree `_is_fsdp_managed_module` and `_fsdp_use_orig_params`; dynamo then does not make
+    their tensors static inputs), and the backward GEMMs ran with a stale scale's reciprocal
+    (session 32's FSDP2 + DelayedScaling divergence). Inductor's partitioner (min-cut)."""
     recipe = R.DelayedScaling(amax_history_len=4)
-    with te_compile.simulate_gpu("hopper"), warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model = _two_layers("Linear")
-        for m in model if fsdp_managed else ():
+    rec = JointRecorder("min_cut")
+    with te_compile.simulate_gpu("hopper"), graph_fp8(True):
+        bf16 = torch.bfloat16
+        if kind == "Linear":
+            module = te.Linear(64, 64, bias=bias, params_dtype=bf16)
+        else:
+            module = te.LayerNormMLP(64, 128, bias=bias, params_dtype=bf16)
+        for m in module.modules() if fsdp_managed else ():
             m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
-        x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-        for _ in range(2):
-            with te.autocast(recipe=recipe):
-                y = compiled(x)
-            y.float().sum().backward()
-    hits = [w for w in seen if str(w.message) == persistent_state.FSDP2_DELAYED_WARNING]
-    assert len(hits) == (1 if fsdp_managed else 0), [str(w.message)[:80] for w in seen]
+        module.compile(fullgraph=True, backend=rec.backend)
+        x = torch.randn(32, 64, device="cuda", dtype=bf16, requires_grad=True)
+        with te.autocast(recipe=recipe):
+            y = module(x)
+        y.float().sum().backward()
+    (fw,), (bw,) = rec.fw, rec.bw
+    forward_inputs = {n.name for n in fw.graph.find_nodes(op="placeholder")}
+    reads = bw.graph.find_nodes(
+        op="call_function", target=torch.ops.te_compile.scale_in_backward.default
+    )
+    assert len(reads) == 1
+    assert reads[0].args[0].name in forward_inputs  # TE's scale itself, not a value of it
+    writes = bw.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
+    history = [w.args[0] for w in writes]
+    assert len(history) == 1 and history[0].name in forward_inputs
+    # and the value written reads that history directly, with the amaxes
+    assert history[0] in writes[0].args[1].all_input_nodes or any(
+        history[0] in n.all_input_nodes for n in writes[0].args[1].all_input_nodes
+    )
