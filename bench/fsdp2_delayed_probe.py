@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import torch
@@ -31,7 +32,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
 import models as M  # noqa: E402
-import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch.quantization import FP8GlobalStateManager as FGS  # noqa: E402
 
@@ -90,19 +90,27 @@ def run(fsdp: bool, compiled: bool, recipe_name: str, data) -> list[dict]:
     return records
 
 
-def first_difference(a: dict, b: dict) -> str:
+def differences(a: dict, b: dict, limit: int = 4) -> str:
+    """The first `limit` tensors that differ between records `a` and `b`, in record order."""
+    found = []
     for name in a:
         if name not in b:
-            return f"{name}: only in the first run"
+            found.append(f"{name}: only in the first run")
+            continue
         x, y = a[name].float(), b[name].float()
         if x.shape != y.shape:
-            return f"{name}: shapes {tuple(x.shape)} vs {tuple(y.shape)}"
-        if not torch.equal(x, y):
+            found.append(f"{name}: shapes {tuple(x.shape)} vs {tuple(y.shape)}")
+        elif not torch.equal(x, y):
             diff = (x - y).abs()
             where = tuple(int(i) for i in torch.nonzero(diff == diff.max())[0])
-            return f"{name}: max |diff| {diff.max().item():.4g} at {where} ({x[where].item():.6g} vs {y[where].item():.6g})"
-    missing = [n for n in b if n not in a]
-    return f"{missing[0]}: only in the second run" if missing else "equal"
+            found.append(
+                f"{name}: max |diff| {diff.max().item():.4g} at {where} "
+                f"({x[where].item():.6g} vs {y[where].item():.6g})"
+            )
+        if len(found) == limit:
+            break
+    found += [f"{n}: only in the second run" for n in b if n not in a][: limit - len(found)]
+    return "\n      ".join(found) if found else "equal"
 
 
 def main() -> int:
@@ -110,6 +118,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--recipe", default="delayed_local", choices=sorted(RECIPES))
     p.add_argument("--graph-fp8", default="auto", choices=["auto", "on", "off"])
+    p.add_argument("--only", nargs="*", help="run only these variants (labels as printed)")
     args = p.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29561")
@@ -128,8 +137,11 @@ def main() -> int:
         # dynamo skips guards on FSDP-managed modules by default: with them, does it part still?
         "fsdp2+guards": (True, True, {"skip_fsdp_guards": False}),
     }
+    if args.only:
+        variants = {k: v for k, v in variants.items() if k in args.only}
     runs, graphs = {}, {}
     for name, (fsdp, compiled, config) in variants.items():
+        print(f"--- run: {name}", flush=True)
         before = counters["stats"]["unique_graphs"]
         with torch._dynamo.config.patch(config):
             runs[name] = run(fsdp, compiled, args.recipe, data)
@@ -138,16 +150,17 @@ def main() -> int:
     pairs += [("eager plain", "compiled plain"), ("eager plain", "eager fsdp2")]
     pairs += [("eager fsdp2", "compiled fsdp2")]
     print(
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TE {te.__version__}, "
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, TE {version('transformer-engine')}, "
         f"recipe {args.recipe}, graph_fp8 {args.graph_fp8}; graphs compiled: {graphs}"
     )
+    pairs = [(a, b) for a, b in pairs if a in runs and b in runs]
     for i in range(args.steps):
         print(
             f"step {i}: losses "
             + ", ".join(f"{k} {r[i]['loss'].item():.5f}" for k, r in runs.items())
         )
         for a, b in pairs:
-            print(f"  {a:>14s} vs {b:<14s} {first_difference(runs[a][i], runs[b][i])}")
+            print(f"  {a:>14s} vs {b:<14s} {differences(runs[a][i], runs[b][i])}")
     dist.destroy_process_group()
     return 0
 

@@ -7,7 +7,10 @@ Float8CurrentScaling (`delayed_local`: DelayedScaling without the reduction). La
 Per case (wrapper x recipe x compile), every rank trains from the same initial weights on its
 own batches; rank 0 prints the mean loss over ranks of the last step, the largest loss
 difference between compiled and eager over all steps, the median step time and the first
-step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) under --out.
+step's seconds, and writes `distributed-gpt.json` (and a PNG of the curves) under --out. For
+FSDP2 with DelayedScaling, after a `ddp/` case of the same recipe, it also prints the compiled
+run against eager DDP: eager TE's FSDP2 backward quantizes the weight for dgrad differently
+(docs/distributed.md), and compiled code keeps TE's arithmetic without FSDP2.
 
 - ddp: `DistributedDataParallel` around a module whose forward is the training step (forward +
   loss, te.autocast inside), that module compiled with fullgraph=True.
@@ -469,6 +472,15 @@ def main() -> int:
                 abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
             )
             results[case] = {"eager": runs[False], "compiled": runs[True], "max_diff": diff}
+            # Eager TE under FSDP2 re-quantizes the weight for dgrad in backward with the scale
+            # the autocast exit has updated (its module/linear.py, `is_fsdp2`); compiled code
+            # keeps TE's arithmetic without FSDP2, so DelayedScaling's reference is eager DDP.
+            ddp = results.get(f"ddp/{recipe_name}")
+            if wrapper.startswith("fsdp2") and recipe_name.startswith("delayed") and ddp:
+                results[case]["max_diff_vs_ddp_eager"] = max(
+                    abs(a - b)
+                    for a, b in zip(runs[True]["losses"], ddp["eager"]["losses"], strict=True)
+                )
             if rank == 0:
                 e, c = runs[False], runs[True]
                 print(
@@ -478,6 +490,12 @@ def main() -> int:
                     f"{c['first_step_s']:.1f}",
                     flush=True,
                 )
+                if "max_diff_vs_ddp_eager" in results[case]:
+                    print(
+                        f"{'':16s} compiled vs eager ddp/{recipe_name} max|diff| "
+                        f"{results[case]['max_diff_vs_ddp_eager']:.4f}",
+                        flush=True,
+                    )
                 if "fp8_allgather" in c:
                     g = c["fp8_allgather"]
                     print(

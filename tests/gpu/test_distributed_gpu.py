@@ -33,6 +33,10 @@ CASES += list(FP8_PARAM_TYPES)
 # (TE's fsdp_pre_all_gather), and the compiled path needs both halves (docs/distributed.md).
 REFUSED_COMPILED = {"fsdp2-fp8/block": "FP8 block-scaled parameter without both row-wise"}
 FP8_WEIGHTS = 2 * 4  # per TransformerLayer: fused QKV, attention projection, fc1, fc2
+# FSDP2 with bf16 weights and DelayedScaling: compiled against eager DDP (ddp/delayed runs first).
+# Eager TE's FSDP2 backward quantizes the weight for dgrad with the scale the autocast exit has
+# updated; compiled code keeps TE's arithmetic without FSDP2 (docs/distributed.md).
+DDP_REFERENCE = {"fsdp2/delayed", "fsdp2-whole/delayed"}
 LOSS_BOUND = 0.25  # max |compiled - eager| over 50 steps (inductor's fusion, amplified)
 
 
@@ -65,8 +69,9 @@ def test_compiled_trains_like_eager(run, case):
     assert "error" not in result, result.get("error")
     eager, compiled = result["eager"]["losses"], result["compiled"]["losses"]
     assert compiled[-1] < compiled[0] - 1.0, "compiled run did not learn"
-    assert result["max_diff"] < LOSS_BOUND, result["max_diff"]
-    print(case, "eager", eager[-1], "compiled", compiled[-1], "max diff", result["max_diff"])
+    diff = result["max_diff_vs_ddp_eager" if case in DDP_REFERENCE else "max_diff"]
+    assert diff < LOSS_BOUND, diff
+    print(case, "eager", eager[-1], "compiled", compiled[-1], "max diff", diff)
 
 
 @pytest.mark.parametrize("case", list(FP8_PARAM_TYPES))

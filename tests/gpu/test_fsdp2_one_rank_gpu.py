@@ -1,11 +1,13 @@
 """examples/distributed_gpt.py on one GPU (torchrun, one rank): FSDP2 and DDP without a second
 GPU, so the data-parallel wrappers' compiled paths are checked in every single-GPU run.
 
-DelayedScaling under FSDP2 with the layers compiled per block and te.autocast entered eagerly
-is a known divergence (session 32, docs/distributed.md "Known issue"): compiled losses differ
-from eager TE's by about 1.0 over 50 steps, on TE's kernels and on the graph path alike, while
-the same model under DDP differs by 0.04. It is a strict xfail: a fix makes it pass, and the
-suite then says so. Skips without a CUDA GPU.
+FSDP2 + DelayedScaling: the compiled run is held to eager TE without FSDP2 (the `ddp/` case's
+eager run, same weights and batches), to 1e-3 over 50 steps: eager TE's FSDP2 backward
+re-quantizes the weight for dgrad with the scale the autocast exit has updated (its
+module/linear.py, `is_fsdp2`; 0.28 from eager DDP here), and compiled code keeps TE's
+arithmetic without FSDP2. Session 32's divergence (1.02: AOT autograd's partitioner saved a
+forward-time reciprocal of the backward scale, docs/architecture.md) failed this bound.
+Skips without a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from te_compile_testing import torchrun
 pytestmark = pytest.mark.gpu
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_BOUND = 0.25  # as test_distributed_gpu.py: max |compiled - eager| over 50 steps
-KNOWN_DIVERGENCE = "fsdp2/delayed_local"
-CASES = ["ddp/delayed_local", "ddp-outside/delayed_local", "fsdp2/current", KNOWN_DIVERGENCE]
+CASES = ["ddp/delayed_local", "ddp-outside/delayed_local", "fsdp2/current", "fsdp2/delayed_local"]
+NON_FSDP2_BOUND = 1e-3  # FSDP2 + DelayedScaling against eager DDP: the same arithmetic
 
 
 @pytest.fixture(scope="module")
@@ -39,18 +41,13 @@ def run(tmp_path_factory):
     return json.loads(path.read_text())
 
 
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param(c, marks=pytest.mark.xfail(strict=True, reason="docs/distributed.md"))
-        if c == KNOWN_DIVERGENCE
-        else c
-        for c in CASES
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 def test_compiled_trains_like_eager_on_one_rank(run, case):
     result = run[case]
     assert "error" not in result, result.get("error")
     compiled = result["compiled"]["losses"]
     assert compiled[-1] < compiled[0] - 1.0, "compiled run did not learn"
-    assert result["max_diff"] < LOSS_BOUND, result["max_diff"]
+    if case.startswith("fsdp2/delayed"):  # against eager DDP (the module docstring)
+        assert result["max_diff_vs_ddp_eager"] < NON_FSDP2_BOUND, result["max_diff_vs_ddp_eager"]
+    else:
+        assert result["max_diff"] < LOSS_BOUND, result["max_diff"]
