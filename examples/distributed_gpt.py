@@ -476,7 +476,7 @@ def main() -> int:
             # the autocast exit has updated (its module/linear.py, `is_fsdp2`); compiled code
             # keeps TE's arithmetic without FSDP2, so DelayedScaling's reference is eager DDP.
             ddp = results.get(f"ddp/{recipe_name}")
-            if wrapper.startswith("fsdp2") and recipe_name.startswith("delayed") and ddp:
+            if wrapper in ("fsdp2", "fsdp2-whole") and recipe_name.startswith("delayed") and ddp:
                 results[case]["max_diff_vs_ddp_eager"] = max(
                     abs(a - b)
                     for a, b in zip(runs[True]["losses"], ddp["eager"]["losses"], strict=True)
