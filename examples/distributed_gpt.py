@@ -292,13 +292,16 @@ def gemm_stack():
     )
 
 
-def fp8_state(model) -> list[torch.Tensor]:
+def fp8_state(model, named: bool = False) -> list:
+    """Every TE module's DelayedScaling histories and scales (with `named`, as (name, tensor))."""
     out = []
-    for m in model.modules():
+    for name, m in model.named_modules():
         meta = getattr(m, "fp8_meta", None)
         if meta and "scaling_fwd" in meta:
             for k in ("scaling_fwd", "scaling_bwd"):
-                out += [meta[k].amax_history.clone(), meta[k].scale.clone()]
+                for t in ("amax_history", "scale"):
+                    value = getattr(meta[k], t).clone()
+                    out.append((f"{name} {k}.{t}", value) if named else value)
     return out
 
 
@@ -405,10 +408,14 @@ def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
         if i >= at:
             losses.append(loss.item())
         if not resume and i + 1 == at:
+            # Compiled modules leave DelayedScaling's backward update (an amax reduction over
+            # ranks here) to the next autocast exit: apply it on every rank before saving, or
+            # the checkpoint holds unreduced amaxes (DCP keeps rank 0's extra state).
+            te_compile.flush_delayed_updates()
             model_sd, optim_sd = get_state_dict(gpt, opt)
             state = {"model": _extra_states_as_bytes(model_sd), "optim": optim_sd}
             dcp.save(state, checkpoint_id=folder)
-    return losses, fp8_state(gpt)
+    return losses, fp8_state(gpt, named=True)
 
 
 def check_resume(data, at: int = 5) -> dict:
@@ -428,9 +435,17 @@ def check_resume(data, at: int = 5) -> dict:
             "losses_equal": full == resumed,
             "max_loss_diff": max(abs(a - b) for a, b in zip(full, resumed, strict=True)),
             "fp8_state_equal": all(
-                torch.equal(a, b) for a, b in zip(full_state, resumed_state, strict=True)
+                torch.equal(a, b) for (_, a), (_, b) in zip(full_state, resumed_state, strict=True)
             ),
         }
+        differing = [
+            f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.4g}, rows "
+            f"{sorted({int(i) for i in torch.nonzero(a != b)[:, 0].tolist()})[:8]}"
+            for (name, a), (_, b) in zip(full_state, resumed_state, strict=True)
+            if not torch.equal(a, b)
+        ]
+        if differing:
+            report[wrapper]["state_differences"] = differing[:6]
     return report
 
 
