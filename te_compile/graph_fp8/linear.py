@@ -74,8 +74,12 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     """ "" when the graph path computes this GEMM, else why not (the TE-op path runs then)."""
     if cfg.kind not in ("current", "delayed"):
         return f"recipe kind {cfg.kind!r} (the graph path has per-tensor recipes)"
-    if cfg.amax_group:
-        return "DelayedScaling's amax reduction over ranks"
+    if cfg.amax_group and not cfg.defers_backward_update:
+        # each backward op would reduce its amaxes over the group (a collective AOT autograd's
+        # backward graph cannot hold); deferred, the eager autocast exit reduces them
+        return (
+            "DelayedScaling's amax reduction over ranks, with te.autocast inside the compiled code"
+        )
     if not dtype == inp.dtype == weight.dtype == torch.bfloat16:
         return "input, weight and activation dtypes not all bfloat16"
     dims = (_rows(inp), *weight.shape)

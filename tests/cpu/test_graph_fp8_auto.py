@@ -87,3 +87,25 @@ def test_block_scaling_stays_on_te_kernels(patched):
 def test_off_keeps_te_kernels(patched):
     for make, op in ((_linear(64, 32), "linear_fwd"), (_ln_linear, "layernorm_linear_fwd")):
         assert op in _forward_ops(make, R.Float8CurrentScaling(), 32, False)
+
+
+@pytest.mark.parametrize("deferred", [True, False], ids=["eager_autocast", "traced_autocast"])
+def test_amax_reduction_takes_the_graph_path_when_deferred(deferred):
+    """DelayedScaling with an amax reduction over ranks: under an eager autocast the exit reduces
+    and updates every state (the backward only merges amaxes), so the graph path runs; with the
+    autocast traced inside, each backward op reduces over the group itself, which only the
+    TE-kernel ops do."""
+    from te_compile.graph_fp8 import linear
+    from te_compile.recipes import QuantConfig
+
+    key = (
+        "kind=delayed;dtypes=e4m3,e4m3,e5m2;pow2=0,0,0;eps=0.0,0.0,0.0;blocks=1,2,1;acc=0,1,1;"
+        f"transpose=1;rht=0,0,0;sr=0,0,0;algo=max;margin=0.0;fused=1;defer={int(deferred)};"
+        "group=world"
+    )
+    cfg = QuantConfig.from_key(key)
+    assert cfg.amax_group and cfg.defers_backward_update == deferred
+    x = torch.empty(64, 128, dtype=torch.bfloat16, device="meta")
+    w = torch.empty(256, 128, dtype=torch.bfloat16, device="meta")
+    reason = linear.applies(cfg, x, w, torch.bfloat16)
+    assert (reason == "") == deferred, reason
