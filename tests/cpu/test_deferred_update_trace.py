@@ -190,3 +190,33 @@ def test_backward_reads_state_in_backward(fsdp_managed, kind, bias, patched):
     assert history[0] in writes[0].args[1].all_input_nodes or any(
         history[0] in n.all_input_nodes for n in writes[0].args[1].all_input_nodes
     )
+
+
+@pytest.mark.parametrize("graph_path", [True, False], ids=["graph_path", "te_kernels"])
+def test_fsdp2_marks_leave_the_partition_as_it_is(graph_path, patched):
+    """A TransformerLayer under DelayedScaling with an eager autocast partitions the same with
+    and without FSDP2's marks (the first test's reason: under them dynamo makes no module tensor
+    a static input, and the partitioner's choices may change). Session 32's code saved
+    LayerNormMLP's forward-time backward scales under the marks."""
+
+    def backward_code(fsdp_managed: bool) -> list[str]:
+        torch._dynamo.reset()
+        FGS.reset()
+        rec = JointRecorder("min_cut")
+        with te_compile.simulate_gpu("hopper"), graph_fp8(graph_path):
+            torch.manual_seed(0)
+            layer = te.TransformerLayer(
+                64, 256, 4, params_dtype=torch.bfloat16, hidden_dropout=0, attention_dropout=0
+            )
+            for m in layer.modules() if fsdp_managed else ():
+                m._is_fsdp_managed_module = m._fsdp_use_orig_params = True
+            layer.compile(fullgraph=True, backend=rec.backend)
+            x = torch.randn(32, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            with te.autocast(recipe=R.DelayedScaling(amax_history_len=4)):
+                y = layer(x)
+            y.float().sum().backward()
+        return [g.code for g in rec.bw]
+
+    plain = backward_code(False)
+    assert len(plain) == 1
+    assert backward_code(True) == plain
