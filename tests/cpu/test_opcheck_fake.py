@@ -111,3 +111,12 @@ def test_meta_opcheck_fails_where_it_must(op, args, message, fake_cuda):
     x = torch.randn(8, 4, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     with pytest.raises((AssertionError, RuntimeError), match=message):
         opcheck_on_meta(op, (x, *args))
+
+
+@pytest.mark.parametrize("op", ["scale_snapshot", "scale_in_backward"])
+def test_scale_copies_opcheck_on_fake(op, fake_cuda):
+    """DelayedScaling's scale copies (ops/delayed_scaling.py); `scale_in_backward` also takes a
+    gradient, read only as a dependency."""
+    scale = torch.ones(3, device="cuda")
+    args = (scale,) if op == "scale_snapshot" else (scale, torch.randn(8, 4, device="cuda"))
+    opcheck_on_meta(getattr(torch.ops.te_compile, op).default, args)
