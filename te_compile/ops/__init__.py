@@ -7,8 +7,8 @@ Importing this package registers, per TE module family: te_compile::linear_fwd, 
 quantize_weight (linear.py); norm_fwd, norm_bwd (norm.py); layernorm_linear_fwd/_bwd
 (layernorm_linear.py); layernorm_mlp_fwd/_bwd (layernorm_mlp.py; its saved-tensor layout in
 layernorm_mlp_layout.py); fused_attn_fwd/_bwd (attention.py); fused_rope_fwd/_bwd (rope.py);
-amax_and_scale_update, scale_snapshot, scale_in_backward (delayed_scaling.py); bias_grad, fp8_transpose
-(graph_path.py, for graph_fp8/)."""
+amax_and_scale_update, scale_snapshot, scale_in_backward (delayed_scaling.py); bias_grad,
+fp8_transpose (graph_path.py, for graph_fp8/)."""
 
 from . import (  # noqa: F401
     attention,
