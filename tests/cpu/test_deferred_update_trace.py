@@ -187,7 +187,11 @@ def test_backward_reads_state_in_backward(fsdp_managed, kind, bias, patched):
     writes = bw.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
     history = [w.args[0] for w in writes]
     assert len(history) == 1 and history[0].name in forward_inputs
-    merged = writes[0].args[1]  # the history max-merged with the amaxes, read directly
+    # the value written: the history max-merged with the amaxes, read directly (functionalized:
+    # copy_(history, copy(history, maximum(history, amaxes))))
+    merged = writes[0].args[1]
+    assert merged.target == torch.ops.aten.copy.default
+    merged = merged.args[1]
     assert merged.target == torch.ops.aten.maximum.default and merged.args[0] is history[0]
 
 
