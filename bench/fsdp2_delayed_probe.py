@@ -11,11 +11,13 @@ all-gather and reduce-scatter are copies, so its runs should match the plain one
 TE's own FSDP2 branch, which re-quantizes the weight for dgrad in backward). After every step
 it records the loss, every parameter's gradient (before the optimizer step) and every TE
 module's DelayedScaling scales and histories, then prints, per step and pair of runs, the
-first tensor that differs and by how much. A fifth run repeats the compiled FSDP2 one with
-dynamo's guards on FSDP-managed modules (`skip_fsdp_guards=False`; dynamo skips them by
-default), and the graphs each run compiled are counted. Reading it: "compiled plain vs compiled fsdp2" is
-the one that should be equal; the first differing tensor names the module and the state or
-gradient where FSDP2 changes what the compiled path does.
+first tensors that differ and by how much (`--only` picks runs). A fifth run repeats the
+compiled FSDP2 one with `skip_fsdp_guards=False`: dynamo then wraps an FSDP-managed module's
+tensors as it wraps a plain module's, static inputs. The graphs dynamo compiled per run are
+counted (eager runs count 1 too: TE compiles a few helpers itself). Reading it: "compiled
+plain vs compiled fsdp2" should be equal. Session 32's divergence showed as gradients parting
+at step 1 there and not with the guards (docs/distributed.md: AOT autograd's partitioner saved
+a forward-time value of the backward scale, since fixed).
 """
 
 from __future__ import annotations
