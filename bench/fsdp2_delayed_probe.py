@@ -14,8 +14,8 @@ module's DelayedScaling scales and histories, then prints, per step and pair of 
 first tensors that differ and by how much (`--only` picks runs). A fifth run repeats the
 compiled FSDP2 one with `skip_fsdp_guards=False`: dynamo then wraps an FSDP-managed module's
 tensors as it wraps a plain module's, static inputs. The graphs dynamo compiled per run are
-counted (eager runs count 1 too: TE compiles a few helpers itself). Reading it: "compiled
-plain vs compiled fsdp2" should be equal. Session 32's divergence showed as gradients parting
+counted (eager runs count 1 too: TE torch.compiles fused helpers itself, its `jit_fuser`).
+Reading it: "compiled plain vs compiled fsdp2" should be equal. Session 32's divergence showed as gradients parting
 at step 1 there and not with the guards (docs/distributed.md: AOT autograd's partitioner saved
 a forward-time value of the backward scale, since fixed).
 """
