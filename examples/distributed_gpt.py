@@ -292,17 +292,21 @@ def gemm_stack():
     )
 
 
-def fp8_state(model, named: bool = False) -> list:
-    """Every TE module's DelayedScaling histories and scales (with `named`, as (name, tensor))."""
-    out = []
+def fp8_state(model) -> dict[str, torch.Tensor]:
+    """Every TE module's DelayedScaling histories and scales, by "module direction.tensor"."""
+    out = {}
     for name, m in model.named_modules():
         meta = getattr(m, "fp8_meta", None)
         if meta and "scaling_fwd" in meta:
             for k in ("scaling_fwd", "scaling_bwd"):
                 for t in ("amax_history", "scale"):
-                    value = getattr(meta[k], t).clone()
-                    out.append((f"{name} {k}.{t}", value) if named else value)
+                    out[f"{name} {k}.{t}"] = getattr(meta[k], t).clone()
     return out
+
+
+def max_diff(a: list, b: list) -> float:
+    """The largest |a[i] - b[i]| of two loss curves of one length."""
+    return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
 
 def state_run(compiled: bool, steps: int):
@@ -345,11 +349,11 @@ def check_state(steps: int) -> dict:
     compiled = state_run(True, steps)
     report = {"steps": steps, "equal_to_eager": True, "equal_across_ranks": True}
     for step, (c, e) in enumerate(zip(compiled, eager, strict=True)):
-        for a, b in zip(c, e, strict=True):
-            if not torch.equal(a, b):
-                report["equal_to_eager"] = False
-                report.setdefault("first_mismatch", step)
-        flat = torch.cat([t.flatten().float() for t in c])
+        assert c.keys() == e.keys()
+        if not all(torch.equal(c[name], e[name]) for name in c):
+            report["equal_to_eager"] = False
+            report.setdefault("first_mismatch", step)
+        flat = torch.cat([t.flatten().float() for t in c.values()])
         gathered = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
         dist.all_gather(gathered, flat)
         if not all(torch.equal(gathered[0], t) for t in gathered[1:]):
@@ -415,7 +419,7 @@ def resume_run(data, folder: str, resume: bool, at: int, wrapper: str = "ddp"):
             model_sd, optim_sd = get_state_dict(gpt, opt)
             state = {"model": _extra_states_as_bytes(model_sd), "optim": optim_sd}
             dcp.save(state, checkpoint_id=folder)
-    return losses, fp8_state(gpt, named=True)
+    return losses, fp8_state(gpt)
 
 
 def check_resume(data, at: int = 5) -> dict:
@@ -433,17 +437,17 @@ def check_resume(data, at: int = 5) -> dict:
             "losses_full": full,
             "losses_resumed": resumed,
             "losses_equal": full == resumed,
-            "max_loss_diff": max(abs(a - b) for a, b in zip(full, resumed, strict=True)),
-            "fp8_state_equal": all(
-                torch.equal(a, b) for (_, a), (_, b) in zip(full_state, resumed_state, strict=True)
-            ),
+            "max_loss_diff": max_diff(full, resumed),
         }
-        differing = [
-            f"{name}: max |diff| {(a.float() - b.float()).abs().max().item():.4g}, rows "
-            f"{sorted({int(i) for i in torch.nonzero(a != b)[:, 0].tolist()})[:8]}"
-            for (name, a), (_, b) in zip(full_state, resumed_state, strict=True)
-            if not torch.equal(a, b)
-        ]
+        assert full_state.keys() == resumed_state.keys()
+        differing = []
+        for name, a in full_state.items():
+            b = resumed_state[name]
+            if not torch.equal(a, b):
+                rows = sorted({int(i) for i in torch.nonzero(a != b)[:, 0].tolist()})[:8]
+                diff = (a.float() - b.float()).abs().max().item()
+                differing.append(f"{name}: max |diff| {diff:.4g}, rows {rows}")
+        report[wrapper]["fp8_state_equal"] = not differing
         if differing:
             report[wrapper]["state_differences"] = differing[:6]
     return report
@@ -483,18 +487,15 @@ def main() -> int:
         try:
             for c in (False, True):
                 runs[c] = train(wrapper, recipe_name, c, data)
-            diff = max(
-                abs(a - b) for a, b in zip(runs[True]["losses"], runs[False]["losses"], strict=True)
-            )
+            diff = max_diff(runs[True]["losses"], runs[False]["losses"])
             results[case] = {"eager": runs[False], "compiled": runs[True], "max_diff": diff}
             # Eager TE under FSDP2 re-quantizes the weight for dgrad in backward with the scale
             # the autocast exit has updated (its module/linear.py, `is_fsdp2`); compiled code
             # keeps TE's arithmetic without FSDP2, so DelayedScaling's reference is eager DDP.
             ddp = results.get(f"ddp/{recipe_name}")
             if wrapper in ("fsdp2", "fsdp2-whole") and recipe_name.startswith("delayed") and ddp:
-                results[case]["max_diff_vs_ddp_eager"] = max(
-                    abs(a - b)
-                    for a, b in zip(runs[True]["losses"], ddp["eager"]["losses"], strict=True)
+                results[case]["max_diff_vs_ddp_eager"] = max_diff(
+                    runs[True]["losses"], ddp["eager"]["losses"]
                 )
             if rank == 0:
                 e, c = runs[False], runs[True]
