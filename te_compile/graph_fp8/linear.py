@@ -250,10 +250,11 @@ class _LinearFunction(torch.autograd.Function):
         if bwd_scale is None:
             gq, g_si = quantize_stored(dy2d, cfg, 2)
         else:
-            scales = backward_scales(bwd_scale, dy2d)
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
-                fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scales, cfg)
+                scale = scale_for_te_cast(cfg, bwd_scale, dy2d)
+                fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_dbias(dy2d, scale, cfg)
             else:
+                scales = backward_scales(bwd_scale, dy2d)
                 gq, g_si, g_amax = quantize_delayed(dy2d, scales, cfg, 2)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
@@ -317,15 +318,14 @@ def in_slots(like: torch.Tensor, amaxes: dict) -> torch.Tensor:
 
 
 def delayed_grad_with_dbias(
-    grad2d, scales: Scales, cfg: QuantConfig, gemm=0, act_input=None, act=""
+    grad2d, scale: torch.Tensor, cfg: QuantConfig, gemm=0, act_input=None, act=""
 ):
     """(dbias, FP8 data, its transpose, scale_inv, amax) of `grad2d` by TE's fused kernel
     (te_compile::delayed_grad_quantize): grad_output's of GEMM `gemm`, or with `act_input` the
-    activation `act`'s gradient (LayerNormMLP's FC1)."""
+    activation `act`'s gradient (LayerNormMLP's FC1), with the backward scales `scale`
+    (scale_for_te_cast's). TE's kernel writes the scale_inv the GEMMs read: no Scales."""
     slot = delayed_slot("grad", gemm)
-    return torch.ops.te_compile.delayed_grad_quantize(
-        grad2d, act_input, scales.scale[slot : slot + 1], cfg.key, act
-    )
+    return torch.ops.te_compile.delayed_grad_quantize(grad2d, act_input, scale, slot, cfg.key, act)
 
 
 def _graph_updates(cfg: QuantConfig) -> bool:
@@ -339,6 +339,18 @@ def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
     the autocast exit's update) nor inductor (which, torch 2.11 on the H100, scheduled a fused
     cast after the op's own write of the scale) can move it."""
     return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
+
+
+def scale_for_te_cast(cfg: QuantConfig, scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """The backward scales delayed_grad_with_dbias reads. TE's op takes the gradient, so the
+    partitioner cannot move its read into the forward graph, and it reads the tensor itself
+    where nothing in this backward writes it (deferred update) or the write is a graph
+    operation (functionalized, after every read); under TE's update kernel in the same graph
+    it reads a copy (backward_scales' reason). One copy kernel less per module: a
+    TransformerLayer's three biased modules need none."""
+    if cfg.defers_backward_update or _graph_updates(cfg):
+        return scale
+    return torch.ops.te_compile.scale_in_backward(scale, grad)
 
 
 def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:

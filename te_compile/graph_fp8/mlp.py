@@ -154,11 +154,12 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scales = linear.backward_scales(bwd_scale, dy)
+            scale = linear.scale_for_te_cast(cfg, bwd_scale, dy)
             if ctx.biases[1]:
-                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scales, cfg, _FC2)
+                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
             else:
                 db2, gq_t = None, None
+                scales = linear.backward_scales(bwd_scale, dy)
                 gq, g_si, g2_amax = linear.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
         fc2_dgrad, gq_t = linear.dgrad_and_grad_copy(
             gq, g_si, w2q, w2_si, dtype, acc[1], needs[3], gq_t
@@ -171,7 +172,7 @@ class _MLPFunction(torch.autograd.Function):
             g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
         else:  # eager TE calls tex.dbias_dgelu with or without FC1's bias
             db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
-                fc2_dgrad, scales, cfg, _FC1, act_input=fc1_out, act="gelu"
+                fc2_dgrad, scale, cfg, _FC1, act_input=fc1_out, act="gelu"
             )
         dx = None
         if needs[0]:

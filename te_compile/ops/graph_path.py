@@ -100,15 +100,17 @@ activation_grad.fake(lambda a: a.grad.new_empty(a.grad.shape))
 
 @op()
 def delayed_grad_quantize(
-    grad: Tensor, act_input: Tensor | None, scale: Tensor, config: str, act: str
+    grad: Tensor, act_input: Tensor | None, scales: Tensor, slot: int, config: str, act: str
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """DelayedScaling's quantization of 2-D `grad` for the grad_output role, with the scale
-    `scale` [1], and the bias gradient TE's kernel fuses into it: `tex.bgrad_quantize(grad)`,
+    `scales[slot]`, and the bias gradient TE's kernel fuses into it: `tex.bgrad_quantize(grad)`,
     or with `act_input` (LayerNormMLP's FC1 output) `tex.dbias_d<act>(grad, act_input)`, which
     quantizes the activation's gradient. Returns (dbias, FP8 data, its transpose, scale_inv [1],
-    amax [1]); the caller records the amax into TE's history."""
+    amax [1]); the caller records the amax into TE's history. `scales`: the direction's whole
+    tensor, so that the backward reads TE's tensor itself (a slice taken outside the op may be
+    taken in the forward graph and saved: graph_fp8.linear.scale_for_te_cast)."""
     cfg = QuantConfig.from_key(config)
-    state = [scale, grad.new_zeros(1, dtype=torch.float32)]
+    state = [scales[slot : slot + 1], grad.new_zeros(1, dtype=torch.float32)]
     if act_input is None:
         dbias, q = gemm_layer.quantize(grad, cfg, "grad", True, True, state, bgrad=True)
     else:

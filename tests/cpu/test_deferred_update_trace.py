@@ -179,11 +179,17 @@ def test_backward_reads_state_in_backward(fsdp_managed, kind, bias, patched):
         y.float().sum().backward()
     (fw,), (bw,) = rec.fw, rec.bw
     forward_inputs = {n.name for n in fw.graph.find_nodes(op="placeholder")}
-    reads = bw.graph.find_nodes(
-        op="call_function", target=torch.ops.te_compile.scale_in_backward.default
-    )
-    assert len(reads) == 1
-    assert reads[0].args[0].name in forward_inputs  # TE's scale itself, not a value of it
+    ops = torch.ops.te_compile
+    # The backward scale's readers: the copy for an inductor-made cast (a bias-less GEMM's
+    # grad_output), TE's fused dbias cast (a biased one's; LayerNormMLP's FC1 always).
+    copies = bw.graph.find_nodes(op="call_function", target=ops.scale_in_backward.default)
+    te_casts = bw.graph.find_nodes(op="call_function", target=ops.delayed_grad_quantize.default)
+    assert len(copies) == (0 if bias else 1)
+    assert len(te_casts) == {"Linear": int(bias), "LayerNormMLP": 1 + bias}[kind]
+    for read in copies:  # TE's scale itself, not a value of it (nor a view saved for it)
+        assert op_args(read)["scale"].name in forward_inputs
+    for read in te_casts:
+        assert op_args(read)["scales"].name in forward_inputs
     writes = bw.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
     history = [w.args[0] for w in writes]
     assert len(history) == 1 and history[0].name in forward_inputs

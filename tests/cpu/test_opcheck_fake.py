@@ -56,7 +56,8 @@ def test_graph_path_ops_opcheck_on_fake(act, fake_gpu, fake_cuda):
     act_input = torch.randn_like(grad) if act else None
     scale = torch.ones(1, device="cuda")
     opcheck_on_meta(
-        torch.ops.te_compile.delayed_grad_quantize.default, (grad, act_input, scale, key, act)
+        torch.ops.te_compile.delayed_grad_quantize.default,
+        (grad, act_input, torch.ones(3, device="cuda"), 1, key, act),
     )
     opcheck_on_meta(torch.ops.te_compile.bias_grad.default, (grad,))
     data = torch.empty(64, 32, device="cuda", dtype=torch.float8_e4m3fn)

@@ -99,9 +99,10 @@ def test_delayed_grad_quantize_is_tes_kernel(act, patched):
     torch.manual_seed(0)
     grad = (torch.randn(1024, 768, device="cuda") * 3).to(torch.bfloat16)
     act_input = torch.randn_like(grad) if act else None
-    scale = torch.full((1,), 7.0, device="cuda")
+    scales = torch.tensor([5.0, 7.0, 9.0], device="cuda")  # the op reads slot 1
+    scale = scales[1:2]
     key = for_linear(R.DelayedScaling(), fp8_transpose=True).key
-    got = torch.ops.te_compile.delayed_grad_quantize(grad, act_input, scale, key, act)
+    got = torch.ops.te_compile.delayed_grad_quantize(grad, act_input, scales, 1, key, act)
     amax = torch.zeros(1, device="cuda")
     quantizer = Float8Quantizer(scale.clone(), amax, tex.DType.kFloat8E5M2)
     if act:
@@ -112,7 +113,7 @@ def test_delayed_grad_quantize_is_tes_kernel(act, patched):
     for i, (u, v) in enumerate(zip(got, want, strict=True)):
         u = u.view(torch.uint8) if u.element_size() == 1 else u
         assert torch.equal(u, v), f"output {i}"
-    args = (grad, act_input, scale, key, act)
+    args = (grad, act_input, scales, 1, key, act)
     torch.library.opcheck(torch.ops.te_compile.delayed_grad_quantize.default, args)
 
 
