@@ -184,3 +184,24 @@ def test_two_backward_passes_without_an_exit_between(flush_between, patched):
         _assert_equal(got, want)
     else:  # the documented difference: some backward state or gradient is not eager TE's
         assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("op", ["scale_snapshot", "scale_in_backward"])
+def test_scale_copies_are_exact_copies_in_new_memory(op, patched):
+    """DelayedScaling's scale copies (ops/delayed_scaling.py) are an elementwise kernel since
+    session 34, not a memcpy: every float32 a scale can hold comes back with its bits (zeros of
+    both signs, denormals, the extremes, infinities; NaN as a NaN), in memory of its own, and a
+    later write to the scale leaves the copy as it was."""
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    values = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), tiny, tiny / 3, huge, -huge]
+    values += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
+    scale = torch.tensor(values, device="cuda")
+    args = (scale,) if op == "scale_snapshot" else (scale, torch.ones(4, device="cuda"))
+    copy = getattr(torch.ops.te_compile, op)(*args)
+    assert copy.data_ptr() != scale.data_ptr()
+    assert torch.equal(copy.view(torch.int32), scale.view(torch.int32))
+    nan = getattr(torch.ops.te_compile, op)(torch.full_like(scale, float("nan")), *args[1:])
+    assert nan.isnan().all()
+    kept = copy.clone()
+    scale.fill_(3.0)
+    assert torch.equal(copy.view(torch.int32), kept.view(torch.int32))
