@@ -20,21 +20,13 @@ amax_and_scale_update = op(mutates=("amax_histories", "scales"))(
 amax_and_scale_update.fake(lambda a: None)
 
 
-def _copy(scale: Tensor) -> Tensor:
-    """A copy made by a kernel, not `clone`'s cudaMemcpyAsync: a memcpy costs about 20 us of CPU
-    per call in default mode, and a CUDA graph holding memcpy nodes launches more slowly than one
-    of kernels alone. x * 1 is x exactly in float32 (denormals too: aten's kernels do not flush
-    them)."""
-    return torch.mul(scale, 1)
-
-
 @op()
 def scale_snapshot(scale: Tensor) -> Tensor:
     """A copy of a module's forward scales, taken where its forward reads them. The ops quantize
     with the copy, so a recomputed forward (activation checkpointing) quantizes as the original
     did once a checkpoint policy saves it (te_compile.checkpoint_policy); the autocast exit
     updates the scales themselves before backward runs."""
-    return _copy(scale)
+    return scale.clone()
 
 
 scale_snapshot.fake(lambda a: torch.empty_like(a.scale))
@@ -48,7 +40,7 @@ def scale_in_backward(scale: Tensor, grad: Tensor) -> Tensor:
     alone, and between forward and backward the autocast exit updates the scales (the
     deferred update). It chose so for FSDP2's modules, whose tensors are not static inputs:
     the backward GEMMs then ran with the forward-time reciprocal of the new scale's cast."""
-    return _copy(scale)
+    return scale.clone()
 
 
 scale_in_backward.fake(lambda a: torch.empty_like(a.scale))

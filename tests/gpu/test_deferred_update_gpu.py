@@ -188,10 +188,10 @@ def test_two_backward_passes_without_an_exit_between(flush_between, patched):
 
 @pytest.mark.parametrize("op", ["scale_snapshot", "scale_in_backward"])
 def test_scale_copies_are_exact_copies_in_new_memory(op, patched):
-    """DelayedScaling's scale copies (ops/delayed_scaling.py) are an elementwise kernel since
-    session 34, not a memcpy: every float32 a scale can hold comes back with its bits (zeros of
-    both signs, denormals, the extremes, infinities; NaN as a NaN), in memory of its own, and a
-    later write to the scale leaves the copy as it was."""
+    """DelayedScaling's scale copies (ops/delayed_scaling.py): every float32 a scale can hold
+    comes back with its bits (zeros of both signs, denormals, the extremes, infinities; NaN as a
+    NaN), in memory of its own, and a later write to the scale leaves the copy as it was. (Any
+    other way of copying, such as session 34's trial of an elementwise kernel, must pass this.)"""
     tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
     values = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), tiny, tiny / 3, huge, -huge]
     values += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
