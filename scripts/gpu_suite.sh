@@ -110,12 +110,27 @@ case "${PART:-all}" in
   # The files that need 2 or more GPUs (torchrun inside; they skip with one): not in a PARTS
   # queue, whose parts see one GPU each. DDP/FSDP2 about 10 minutes, tensor parallel about 2.
   multi) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py $g/test_distributed_gpu.py) ;;
-  # Not tests: the issue-20 benchmark at its two small shapes (bench/suite.py; torchao's stacks
-  # skip without torchao: docs/performance.md brings it as a wheel), and session 28's
-  # diagnosis of DelayedScaling over varying lengths. Each alone on its GPU (timings).
-  bench) "$py" bench/suite.py --shapes 1024x512x4x1,2048x1024x4x2 --json "$out/suite.json" \
-           --plots "$out" "$@" 2>&1 | tee "$out/bench.log"
-         exit "${PIPESTATUS[0]}" ;;
+  # Not tests: issue 20's benchmark (bench/suite.py; torchao's stacks skip without torchao:
+  # docs/performance.md brings it as a wheel), then its target table (bench/targets.py), and
+  # session 28's diagnosis of DelayedScaling over varying lengths. Each alone on its GPU
+  # (timings). PART=bench: the two small shapes, about 5 minutes each on an H100 (session 34),
+  # so PART=bench1024 and PART=bench2048 for a lent machine's 10-minute calls; PART=guide: TE's
+  # guide layer with the guide's recipe (under 2 minutes). bench/targets.py over the calls'
+  # JSON files together gives the whole table.
+  bench | bench1024 | bench2048 | guide)
+    issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
+    small=(--head-dim 64 --recipes current,delayed,block --shapes)
+    case "$PART" in
+      bench) issue20+=("${small[@]}" 1024x512x4x1,2048x1024x4x2) ;;
+      bench1024) issue20+=("${small[@]}" 1024x512x4x1) ;;
+      bench2048) issue20+=("${small[@]}" 2048x1024x4x2) ;;
+      guide) issue20+=(--head-dim 128 --recipes guide --shapes 4096x2048x1x8) ;;
+    esac
+    "$py" bench/suite.py "${issue20[@]}" --json "$out/$PART.json" --plots "$out" "$@" 2>&1 |
+      tee "$out/$PART.log"
+    status=${PIPESTATUS[0]}
+    "$py" bench/targets.py "$out/$PART.json" | tee -a "$out/$PART.log"
+    exit "$status" ;;
   diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"
         exit "${PIPESTATUS[0]}" ;;
   *) files=(tests) ;;
