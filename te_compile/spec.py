@@ -35,6 +35,7 @@ def spec(cls):
             raise TypeError(f"{cls.__name__}.{f.name}: a Spec field must be one of {_SCALARS}")
         table.append((f.name, f.metadata.get("label", f.name), scalar, is_tuple))
     cls._FIELDS = tuple(table)
+    cls.key = property(_key_function(cls.__name__, cls._FIELDS))
     return cls
 
 
@@ -44,7 +45,7 @@ class Spec:
     _FIELDS: tuple = ()
 
     @property
-    def key(self) -> str:
+    def key(self) -> str:  # replaced per class by `@spec` (_key_function)
         return ";".join(
             f"{label}={_encode(getattr(self, name), scalar, is_tuple)}"
             for name, label, scalar, is_tuple in self._FIELDS
@@ -54,6 +55,22 @@ class Spec:
     def from_key(cls, key: str):
         """Inverse of `key`, cached: ops call it on every run."""
         return _from_key(cls, key)
+
+
+def _key_function(class_name: str, fields: tuple):
+    """`key` for one Spec class as straight-line code with its field table written in: dynamo
+    traces `key`, and reading the table there put a guard on every entry of it into each
+    compiled frame, checked on every call (FusedAttnSpec's alone was 115 guard lines of a
+    TransformerLayer's 2,030, session 34). The same string as `Spec.key` builds from the table
+    (tests/cpu/test_spec_keys.py checks it for every Spec)."""
+    parts = [
+        f"{label!r} + '=' + _encode(self.{name}, {scalar.__name__}, {is_tuple})"
+        for name, label, scalar, is_tuple in fields
+    ]
+    source = "def key(self):\n    return " + (" + ';' + ".join(parts) or "''") + "\n"
+    namespace = {}
+    exec(compile(source, f"<{class_name}.key>", "exec"), globals(), namespace)  # noqa: S102
+    return namespace["key"]
 
 
 def _encode(value, scalar: type, is_tuple: bool) -> str:

@@ -57,3 +57,14 @@ def test_no_guard_on_a_missing_module_attribute(make, recipe, prepare, patched):
         if "NO_HASATTR" in line and "te_compile/" in line and "_dynamo_dynamic_indices" not in line
     ]
     assert not missing, "\n".join(missing)
+
+
+@pytest.mark.parametrize("recipe", [R.Float8CurrentScaling, R.DelayedScaling])
+def test_no_guard_on_a_spec_field_table(recipe, patched):
+    """Building an op's config key (spec.py) reads no field table while dynamo traces: each
+    table entry read there was a guard checked on every call (a TransformerLayer's FusedAttnSpec
+    alone: 115 lines, session 34)."""
+    lines = guard_lines(_layer, recipe(), prepare=False)
+    assert any("te_compile/" in line for line in lines)
+    tables = [line.strip() for line in lines if "_FIELDS" in line]
+    assert not tables, "\n".join(tables[:20])
