@@ -43,13 +43,7 @@ class Spec:
     """Base of the op configurations (declare them with `@spec`): `key` / `from_key`."""
 
     _FIELDS: tuple = ()
-
-    @property
-    def key(self) -> str:  # replaced per class by `@spec` (_key_function)
-        return ";".join(
-            f"{label}={_encode(getattr(self, name), scalar, is_tuple)}"
-            for name, label, scalar, is_tuple in self._FIELDS
-        )
+    key: str  # "label=value;..." in field order: a property `@spec` generates (_key_function)
 
     @classmethod
     def from_key(cls, key: str):
@@ -61,8 +55,8 @@ def _key_function(class_name: str, fields: tuple):
     """`key` for one Spec class as straight-line code with its field table written in: dynamo
     traces `key`, and reading the table there put a guard on every entry of it into each
     compiled frame, checked on every call (FusedAttnSpec's alone was 115 guard lines of a
-    TransformerLayer's 2,030, session 34). The same string as `Spec.key` builds from the table
-    (tests/cpu/test_spec_keys.py checks it for every Spec)."""
+    TransformerLayer's 2,030, session 34). Each value as `_encode` writes it
+    (tests/cpu/test_spec_keys.py checks the string against the table for every Spec)."""
     parts = [
         f"{label!r} + '=' + _encode(self.{name}, {scalar.__name__}, {is_tuple})"
         for name, label, scalar, is_tuple in fields
