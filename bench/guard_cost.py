@@ -90,6 +90,7 @@ def guard_cost(stack, recipe_name, guard_filter, hidden, layers, calls, real_gpu
     tree = str(entry.guard_manager)
     if dump:
         name = f"guards-{stack}-{recipe_name}{'-filtered' if guard_filter else ''}.txt"
+        os.makedirs(dump, exist_ok=True)
         with open(os.path.join(dump, name), "w") as f:
             f.write(tree)
     lines = tree.splitlines()

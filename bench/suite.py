@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stacks as stack_builders  # noqa: E402
 from stacks import BUILDERS, build  # noqa: E402
+from te_compile_testing import inductor_options  # noqa: E402
 
 MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
@@ -132,11 +133,22 @@ def make_recipe(name: str):
 
 
 AUTOCAST = {"where": "inside"}  # --autocast: "outside" compiles the model, te.autocast eager
+INDUCTOR = {"options": {}}  # --inductor: inductor options for every compiled cell
+
+
+def compile_kwargs_for(mode: str) -> dict:
+    """torch.compile's arguments for a cell: `mode`, or with --inductor the same as options
+    (torch.compile takes one or the other)."""
+    options = INDUCTOR["options"]
+    if not options:
+        return {"fullgraph": True, "mode": None if mode == "compile" else mode}
+    graphs = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
+    return {"fullgraph": True, "options": {**graphs, **options}}
 
 
 def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
     forward = model
-    compile_kwargs = {"fullgraph": True, "mode": None if mode == "compile" else mode}
+    compile_kwargs = compile_kwargs_for(mode)
     if te_recipe is not None:
         import te_compile
 
@@ -156,9 +168,7 @@ def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
         forward = torch.compile(forward, **compile_kwargs)
 
     def step():
-        if (
-            compile_kwargs["mode"] == "reduce-overhead"
-        ):  # a new CUDA-graph step: last step's outputs are dead
+        if mode == "reduce-overhead":  # a new CUDA-graph step: last step's outputs are dead
             torch.compiler.cudagraph_mark_step_begin()
         model.zero_grad(set_to_none=True)
         x.grad = None
@@ -540,6 +550,7 @@ def parse_args() -> argparse.Namespace:
         default="inside",
         help="te.autocast inside the compiled step (default) or around the compiled model",
     )
+    p.add_argument("--inductor", default="", help="inductor options, e.g. cpp_wrapper=1")
     p.add_argument("--selftest", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.warmup = (2 if args.quick else 5) if args.warmup is None else args.warmup
@@ -565,12 +576,14 @@ def main() -> None:
     te_compile.patch()
     stack_builders.HEAD_DIM = args.head_dim
     AUTOCAST["where"] = args.autocast
+    INDUCTOR["options"] = inductor_options(args.inductor)
     modes = [m for m in MODES if m in args.modes.split(",")]
     stacks, skipped = usable_stacks(args.stacks.split(","))
     shapes = args.shapes.split(",")
     results = dict(meta=versions(), argv=sys.argv[1:], warmup=args.warmup, steps=args.steps)
     results["head_dim"] = args.head_dim
     results["autocast"] = args.autocast
+    results["inductor"] = args.inductor or "defaults"
     results.update(shapes=shapes, modes=modes, stacks=stacks, skipped_stacks=skipped, cells=[])
     plan = [
         (shape, stack, recipe, mode)
