@@ -67,3 +67,17 @@ def test_generated_key_is_the_table_key(cls):
     for value in _instances(cls):
         assert value.key == table_key(value)
         assert cls.from_key(value.key) == value
+
+
+def test_quant_config_refuses_what_it_cannot_hold():
+    """QuantConfig's checks (skipped while dynamo traces the decoders that build configs) run
+    where a key is decoded: in an op body, eagerly."""
+    from te_compile.recipes import QuantConfig
+
+    key = QuantConfig(kind="current").key
+    with pytest.raises(ValueError, match="kind must be one of"):
+        QuantConfig.from_key(key.replace("kind=current", "kind=bogus"))
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        QuantConfig.from_key(key.replace("dtypes=e4m3,", "dtypes=e9m9,"))
+    with pytest.raises(ValueError, match="dims must be 1 or 2"):
+        QuantConfig(kind="block", block_dims=(1, 3, 1))
