@@ -51,7 +51,9 @@ def _binder(original, method: bool = True):
     names = tuple(p.name for p in params)
     defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
     # Defaults that are not literals (none in TE 2.20) are read from a table: one guard each.
-    entries = [f"{n!r}: {v!r}" if literal(v) else f"{n!r}: table[{n!r}]" for n, v in defaults.items()]
+    entries = [
+        f"{n!r}: {v!r}" if literal(v) else f"{n!r}: table[{n!r}]" for n, v in defaults.items()
+    ]
     source = (
         "def bind(args, kwargs):\n"
         f"    call = {{{', '.join(entries)}}}\n"
