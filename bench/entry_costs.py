@@ -155,7 +155,7 @@ def _op_blocks(name, recipe, x, w) -> dict:
                config=key, out_dtype=torch.bfloat16, save_input=True, save_weight=True,
                accumulate=False, parallel="")  # fmt: skip
     with torch.no_grad():
-        out, *parts = torch.ops.te_compile.linear_fwd(**fwd)
+        out, *parts = te_compile.ops.linear.linear_fwd(**fwd)
     fp8 = recipe is not None
     n_input_parts = columnwise_count(QuantConfig.from_key(key)) if fp8 else 0
     hp = dict(inp=None, weight=None, bias=None) if fp8 else dict(inp=x, weight=w, bias=bias)

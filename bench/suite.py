@@ -44,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import stacks as stack_builders  # noqa: E402
 from stacks import BUILDERS, build  # noqa: E402
+
 from te_compile_testing import inductor_options  # noqa: E402
 
 MODES = ("eager", "compile", "reduce-overhead")

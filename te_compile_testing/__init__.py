@@ -235,6 +235,16 @@ def op_args(node: torch.fx.Node) -> dict:
     return args
 
 
+def op_results(node: torch.fx.Node):
+    """The traced results of a call to one of our ops, as its declaration returns them: a list
+    result without the trailing empty tensor list results carry on torch < 2.14
+    (te_compile/ops/registry.py)."""
+    from te_compile.ops import registry
+
+    value = node.meta["val"]
+    return value[:-1] if isinstance(value, list) and registry.PAD_LIST_RESULTS else value
+
+
 @contextlib.contextmanager
 def graph_fp8(on: bool = True):
     """te_compile.configure(graph_fp8=on) inside the block, the previous value restored after."""

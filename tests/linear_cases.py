@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from te_compile.kernels.fp8_operands import weight_cache_specs
+from te_compile.ops.linear import linear_fwd
 from te_compile.recipes import QuantConfig
 from te_compile.spec import GemmGrads
 
@@ -49,7 +50,7 @@ def bwd_args(fwd: tuple) -> tuple:
     """linear_bwd arguments for the results of linear_fwd(*fwd)."""
     x, w, b, delayed_state, cache, main_grad, config, *_ = fwd
     with torch.no_grad():
-        out, *parts = torch.ops.te_compile.linear_fwd(*fwd)
+        out, *parts = linear_fwd(*fwd)
     if delayed_state:
         parts = parts[:-1]  # the returned forward amaxes
     fp8 = QuantConfig.from_key(config).fp8

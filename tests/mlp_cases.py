@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from te_compile.kernels import activation
-from te_compile.ops.layernorm_mlp import MLPSpec
+from te_compile.ops.layernorm_mlp import MLPSpec, layernorm_mlp_fwd
 from te_compile.ops.layernorm_mlp_layout import MLPFlags
 from te_compile.recipes import QuantConfig
 from te_compile.spec import NormSpec
@@ -75,7 +75,7 @@ def bwd_args(fwd: dict) -> dict:
     layer_norm = NormSpec.from_key(fwd["norm"]).normalization == "LayerNorm"
     fp8 = QuantConfig.from_key(fwd["config"]).fp8
     with torch.no_grad():
-        outputs = torch.ops.te_compile.layernorm_mlp_fwd(**fwd)
+        outputs = layernorm_mlp_fwd(**fwd)
     n_out = 2 if m.return_ln else 1
     saved = list(outputs[n_out : len(outputs) - (1 if fwd["delayed_state"] else 0)])
     flags = MLPFlags.from_key(fwd["flags"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import linear_cases
 import torch
 
+from te_compile.ops.layernorm_linear import layernorm_linear_fwd
 from te_compile.ops.linear import linear_fwd
 from te_compile.recipes import QuantConfig
 from te_compile.spec import GemmGrads, NormSpec
@@ -71,7 +72,7 @@ def lnl_bwd_args(fwd: dict) -> dict:
     """layernorm_linear_bwd arguments for the results of layernorm_linear_fwd(**fwd)."""
     cfg = QuantConfig.from_key(fwd["config"])
     with torch.no_grad():
-        out, mu, rsigma, *rest = torch.ops.te_compile.layernorm_linear_fwd(**fwd)
+        out, mu, rsigma, *rest = layernorm_linear_fwd(**fwd)
     if fwd["delayed_state"]:
         rest = rest[:-1]  # the returned forward amaxes
     return_ln_out = fwd["return_ln_out"]

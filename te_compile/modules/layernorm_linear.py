@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the te_compile ops)
+from .. import ops
 from ..graph_fp8 import norm as graph_norm
 from ..patching import Swap
 from ..spec import NormSpec
@@ -82,7 +82,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
             value = graph_norm.unrounded(x, ln_weight, ln_bias, mu, rsigma, norm)
         out, amaxes = graph_path_forward(g, s, ln_out_2d, value)
     else:
-        outputs = torch.ops.te_compile.layernorm_linear_fwd(
+        outputs = ops.layernorm_linear.layernorm_linear_fwd(
             x,
             ln_weight,
             ln_bias,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the te_compile ops)
+from .. import ops
 from ..graph_fp8 import linear as graph_linear
 from ..graph_fp8 import mlp as graph_mlp
 from ..graph_fp8 import norm as graph_norm
@@ -171,7 +171,7 @@ def compiled_forward(self, inp, is_first_microbatch=None):
         bias_gelu=not fp8 and self.activation == "gelu" and _bias_gelu_fusion(self),
         return_ln=self.return_layernorm_output,
     )
-    outputs = torch.ops.te_compile.layernorm_mlp_fwd(
+    outputs = ops.layernorm_mlp.layernorm_mlp_fwd(
         *(inp, ln_w, ln_b, op_w1, b1, op_w2, b2_fused),
         delayed_state=delayed_state.op_state(fwd_state, bwd_state),
         fc1_cache=fc1_cache,

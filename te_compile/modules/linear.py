@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ops  # noqa: F401  (registers the te_compile ops)
+from .. import ops
 from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from . import delayed_state, fp8_params, gemm_common, tensor_parallel
@@ -62,7 +62,7 @@ def compiled_forward(self, inp, is_first_microbatch=None, fp8_output=False, fp8_
     if not parallel and graph_path_applies(g, s, inp, is_first_microbatch):
         out, amaxes = graph_path_forward(g, s, inp)
         return _returned(self, g, gemm_common.end_forward(self, g, s, out, amaxes))
-    outputs = torch.ops.te_compile.linear_fwd(
+    outputs = ops.linear.linear_fwd(
         inp,
         s.op_weight,
         g.fused_bias,

@@ -13,6 +13,12 @@ The schema comes from `torch.library.infer_schema` (mutated arguments marked `(a
 registered through `torch.library.Library.define` with the implementation as the CUDA kernel:
 `torch.library.custom_op`'s Python wrapper would re-check aliasing on every call, tens of
 microseconds of CPU per op in every compiled step (bench/op_overhead.py); this costs a few.
+
+On torch < 2.14 an op returning `list[Tensor]` carries one trailing empty tensor past its
+declared result, which calling it through its `Op` drops (so do its autograd wrappers): there,
+inductor's C++ wrapper (`cpp_wrapper`) dereferenced a null tensor for a one-element list
+result (pytorch#190551), which e.g. `fused_attn_bwd` gives for packed QKV. Call list ops through
+their `Op`, not `torch.ops.te_compile.<name>`.
 """
 
 from __future__ import annotations
@@ -25,12 +31,19 @@ import torch
 
 NAMESPACE = "te_compile"
 _LIB = torch.library.Library(NAMESPACE, "FRAGMENT")
+PAD_LIST_RESULTS = torch.__version__ < "2.14"  # see the module docstring
 
 
 class Op:
     """A registered custom op; call it like the function it was declared from."""
 
-    def __init__(self, impl: Callable, mutates: tuple[str, ...], tags: tuple = ()):
+    def __init__(
+        self,
+        impl: Callable,
+        mutates: tuple[str, ...],
+        tags: tuple = (),
+        pad_lists: bool = PAD_LIST_RESULTS,
+    ):
         self.name = impl.__name__
         self.signature = inspect.signature(impl)
         self.params = tuple(self.signature.parameters)
@@ -39,12 +52,16 @@ class Op:
             raise ValueError(f"{self.name}: mutates names no argument: {sorted(unknown)}")
         schema = torch.library.infer_schema(impl, mutates_args=mutates)
         _LIB.define(self.name + schema, tags=tags)
-        _LIB.impl(self.name, impl, "CUDA")
+        self.pads = pad_lists and schema.endswith("-> Tensor[]")
         self.impl = impl
-        self.overload = getattr(getattr(torch.ops, NAMESPACE), self.name).default
+        self.kernel = (lambda *a, **kw: _padded(impl(*a, **kw))) if self.pads else impl
+        _LIB.impl(self.name, self.kernel, "CUDA")
+        # The packet, as `torch.ops.te_compile.<name>` (what traced graphs have always named).
+        self.packet = getattr(getattr(torch.ops, NAMESPACE), self.name)
 
     def __call__(self, *args, **kwargs):
-        return self.overload(*args, **kwargs)
+        out = self.packet(*args, **kwargs)
+        return out[:-1] if self.pads else out
 
     def args(self, args: tuple, kwargs: dict | None = None) -> SimpleNamespace:
         """The call's arguments by name."""
@@ -56,8 +73,9 @@ class Op:
 
     def fake(self, fn: Callable[[SimpleNamespace], object]) -> Callable:
         """Register `fn(a)` (arguments by name) as the fake (and meta) kernel."""
+        pad = _padded if self.pads else (lambda result: result)
         torch.library.register_fake(
-            f"{NAMESPACE}::{self.name}", lambda *args, **kw: fn(self.args(args, kw)), lib=_LIB
+            f"{NAMESPACE}::{self.name}", lambda *args, **kw: pad(fn(self.args(args, kw))), lib=_LIB
         )
         return fn
 
@@ -66,14 +84,14 @@ class Op:
         returns {argument name: gradient} for the differentiable inputs it computed. Every other
         argument gets None (a list of tensors: a list of None of its length; torch takes any
         other list, of ints or holding a None, as one value whose gradient is None)."""
-        params = self.params
+        params, pads = self.params, self.pads
 
         def _setup(ctx, inputs, output):
             ctx.list_lengths = [len(v) if _is_tensor_list(v) else -1 for v in inputs]
-            setup_context(ctx, self.args(inputs), output)
+            setup_context(ctx, self.args(inputs), output[:-1] if pads else output)
 
         def _backward(ctx, *grads):
-            got = backward(ctx, *grads)
+            got = backward(ctx, *((grads[0][:-1],) if pads else grads))
             return tuple(
                 got[name] if name in got else (None if n < 0 else [None] * n)
                 for name, n in zip(params, ctx.list_lengths, strict=True)
@@ -82,6 +100,10 @@ class Op:
         torch.library.register_autograd(
             f"{NAMESPACE}::{self.name}", _backward, setup_context=_setup, lib=_LIB
         )
+
+
+def _padded(result: list) -> list:
+    return [*result, result[0].new_empty(0)]
 
 
 def _is_tensor_list(v) -> bool:

@@ -15,7 +15,7 @@ from transformer_engine.common import recipe as R
 
 import te_compile
 from te_compile.modules import attention_backends
-from te_compile.ops.attention import FusedAttnSpec
+from te_compile.ops.attention import FusedAttnSpec, fused_attn_bwd
 from te_compile_testing import JointRecorder, op_args
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine tracing")
@@ -335,7 +335,7 @@ def test_fused_attn_fake_shapes(layout, fake_cuda):
     assert out.shape == (*lead, heads, 16) and out.dtype == torch.bfloat16
     assert stats.shape == (B, heads, S, 1) and stats.dtype == torch.float32
     assert rng.shape == (2,) and rng.dtype == torch.int64
-    grads = torch.ops.te_compile.fused_attn_bwd(*cases.fused_attn_bwd_args(args))
+    grads = fused_attn_bwd(*cases.fused_attn_bwd_args(args))
     assert [g.shape for g in grads] == [x.shape for x in args[0]]
 
 

@@ -14,7 +14,7 @@ from te_compile.ops import layernorm_mlp
 from te_compile.ops.layernorm_mlp_layout import MLPFlags
 from te_compile.recipes import for_linear
 from te_compile.spec import NormSpec
-from te_compile_testing import op_args
+from te_compile_testing import op_args, op_results
 
 RECIPES = {
     "none": (lambda: None, "hopper"),
@@ -229,7 +229,7 @@ def test_no_grad_saves_nothing(meta_gpu):
         )
     node = next(n for gm in rec.fw for n in gm.graph.nodes if str(n.target) == FWD)
     assert _save_flags(node) == (False, False, False, False)
-    assert len(node.meta["val"]) == 1  # just the output
+    assert len(op_results(node)) == 1  # just the output
 
 
 def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
@@ -244,7 +244,7 @@ def test_frozen_weights_skip_their_parts(meta_gpu, graph_breaks):
     node = next(n for n in rec.fw[0].graph.nodes if str(n.target) == FWD)
     assert _save_flags(node) == (True, False, True, False)
     # mu, rsigma, FC1 weight parts (2), fc1_out, FC2 weight parts (2)
-    assert len(node.meta["val"]) == 1 + 2 + 2 + 1 + 2
+    assert len(op_results(node)) == 1 + 2 + 2 + 1 + 2
 
 
 # ---- recipe-specific wiring --------------------------------------------------------------------

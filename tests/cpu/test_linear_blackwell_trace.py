@@ -24,7 +24,7 @@ from te_compile.kernels import operands_mx
 from te_compile.kernels.fp8_operands import quantizer as make_quantizer
 from te_compile.recipes import QuantConfig, for_linear
 from te_compile.spec import GemmGrads
-from te_compile_testing import JointRecorder, op_args, op_targets
+from te_compile_testing import JointRecorder, op_args, op_results, op_targets
 
 IN, OUT = 64, 32
 SHAPES = {"2d": (32, IN), "3d": (4, 8, IN)}
@@ -128,7 +128,7 @@ def test_forward_backward_joint_graph(
         assert x.grad is None
     # Saved: the input's column-wise half (wgrad); the weight's only when dgrad is needed.
     per_operand = 3 if name == "nvfp4" else 2
-    saved = fwd_node(rec.fw).meta["val"][1:]
+    saved = op_results(fwd_node(rec.fw))[1:]
     assert len(saved) == per_operand * (2 if requires_grad else 1)
 
 
@@ -151,7 +151,7 @@ def test_saved_parts_match_te_allocation(
     name, shape, blackwell, graph_breaks, monkeypatch, nvfp4_without_gpu
 ):
     _, _, rec = joint_trace(name, True, shape, True, monkeypatch)
-    saved = fwd_node(rec.fw).meta["val"][1:]
+    saved = op_results(fwd_node(rec.fw))[1:]
     got = [(tuple(t.shape), t.dtype) for t in saved]
     want = te_columnwise_parts(name, SHAPES[shape], "input")
     want += te_columnwise_parts(name, (OUT, IN), "weight")
