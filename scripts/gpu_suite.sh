@@ -107,6 +107,10 @@ case "${PART:-all}" in
   hf) files=($g/test_hf_gpu.py) ;;
   # examples/distributed_gpt.py on one rank (FSDP2 and DDP, one GPU; about 2 minutes)
   dp1) files=($g/test_fsdp2_one_rank_gpu.py) ;;
+  # Inductor's C++ wrapper (docs/training.md): the layers bit for bit against eager TE with the
+  # wrapper on. torch 2.11 takes it only as the global setting (pytorch#178845).
+  cppwrapper) export TORCHINDUCTOR_CPP_WRAPPER=1
+     files=($g/test_graph_fp8_layers_gpu.py $g/test_attention_gpu.py -k "not large") ;;
   # The files that need 2 or more GPUs (torchrun inside; they skip with one): not in a PARTS
   # queue, whose parts see one GPU each. DDP/FSDP2 about 10 minutes, tensor parallel about 2.
   multi) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py $g/test_distributed_gpu.py) ;;
@@ -117,6 +121,16 @@ case "${PART:-all}" in
   # so PART=bench1024 and PART=bench2048 for a lent machine's 10-minute calls; PART=guide: TE's
   # guide layer with the guide's recipe (under 2 minutes). bench/targets.py over the calls'
   # JSON files together gives the whole table.
+  # Not tests: default mode at H=1024 with inductor's C++ wrapper and without, one process each
+  # (the setting is global), every stack (docs/performance.md, session 35).
+  benchcpp)
+    cells=(--stacks te-transformer,torch-transformer,torchao-transformer --head-dim 64 --warmup 3
+           --steps 20 --recipes current,delayed --modes compile --shapes 1024x512x4x1)
+    "$py" bench/suite.py "${cells[@]}" --json "$out/python-wrapper.json" --plots "$out" "$@" \
+      2>&1 | tee "$out/benchcpp.log"
+    TORCHINDUCTOR_CPP_WRAPPER=1 "$py" bench/suite.py "${cells[@]}" --json "$out/cpp-wrapper.json" \
+      --plots "$out" "$@" 2>&1 | tee -a "$out/benchcpp.log"
+    exit "${PIPESTATUS[0]}" ;;
   bench | bench1024 | bench2048 | guide)
     issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
     small=(--head-dim 64 --recipes current,delayed,block --shapes)
