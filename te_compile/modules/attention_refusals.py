@@ -14,7 +14,6 @@ from .gemm_common import is_quantized, unsupported
 
 DPA = "te.DotProductAttention"
 MHA = "te.MultiheadAttention"
-FORMATS = ("sbhd", "bshd")
 
 
 def _refuse_fp8_attention(name: str) -> None:
@@ -56,7 +55,7 @@ def check_dpa_options(m, call: dict, qkv_format: str) -> None:
             "attention dropout under a CUDA RNG states tracker (get_rng_state_tracker)",
             "drop the tracker or set attention_dropout=0",
         )
-    if qkv_format not in FORMATS:
+    if qkv_format not in ("sbhd", "bshd"):  # a literal: a global table read here is guarded
         raise unsupported(DPA, f"qkv_format={qkv_format!r}", "use 'sbhd' or 'bshd'")
 
 

@@ -140,17 +140,6 @@ def autocast_recipe(name: str):
 
 # ---- options -----------------------------------------------------------------------------------
 
-_USERBUFFERS = (
-    "ub_overlap_rs_fprop",
-    "ub_overlap_ag_fprop",
-    "ub_overlap_rs_dgrad",
-    "ub_overlap_ag_dgrad",
-    "ub_overlap_rs",
-    "ub_overlap_ag",
-    "ub_bulk_dgrad",
-    "ub_bulk_wgrad",
-)
-
 
 def check_module_options(
     name: str,
@@ -186,7 +175,18 @@ def check_module_options(
     # The instance dict (TE sets them in __init__): a getattr miss would leave a guard running
     # nn.Module.__getattr__'s miss path every call (half a TransformerLayer's guard time).
     options = m.__dict__
-    for option in _USERBUFFERS:
+    # Userbuffers: the names written here, as code constants; a module-global tuple read while
+    # tracing puts a guard on each entry.
+    for option in (
+        "ub_overlap_rs_fprop",
+        "ub_overlap_ag_fprop",
+        "ub_overlap_rs_dgrad",
+        "ub_overlap_ag_dgrad",
+        "ub_overlap_rs",
+        "ub_overlap_ag",
+        "ub_bulk_dgrad",
+        "ub_bulk_wgrad",
+    ):
         if options.get(option, False):
             raise unsupported(name, f"userbuffers overlap ({option}=True)", f"set {option}=False")
     if m.fsdp_group is not None:
