@@ -131,6 +131,14 @@ case "${PART:-all}" in
     TORCHINDUCTOR_CPP_WRAPPER=1 "$py" bench/suite.py "${cells[@]}" --json "$out/cpp-wrapper.json" \
       --plots "$out" "$@" 2>&1 | tee -a "$out/benchcpp.log"
     exit "${PIPESTATUS[0]}" ;;
+  # Default mode at H=1024 with short kernel names (inductor's static launcher misses kernels
+  # named past 150 characters: docs/performance.md, session 35); beside benchcpp's defaults.
+  benchnames)
+    "$py" bench/suite.py --stacks te-transformer,torch-transformer,torchao-transformer \
+      --head-dim 64 --warmup 3 --steps 20 --recipes current,delayed --modes compile \
+      --shapes 1024x512x4x1 --inductor triton.descriptive_names=0 --json "$out/short-names.json" \
+      --plots "$out" "$@" 2>&1 | tee "$out/benchnames.log"
+    exit "${PIPESTATUS[0]}" ;;
   bench | bench1024 | bench2048 | guide)
     issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
     small=(--head-dim 64 --recipes current,delayed,block --shapes)
