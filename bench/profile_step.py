@@ -53,7 +53,7 @@ from transformer_engine.common import recipe as R  # noqa: E402
 from transformer_engine.pytorch import quantization as q  # noqa: E402
 
 import te_compile  # noqa: E402
-from te_compile_testing import inductor_options  # noqa: E402
+from te_compile_testing import compile_options  # noqa: E402
 
 RECIPES = {
     "bf16": lambda: None,
@@ -61,24 +61,6 @@ RECIPES = {
     "block": R.Float8BlockScaling,
     "delayed": R.DelayedScaling,
 }
-
-
-GUARD_FILTERS = {
-    "nn_modules": "skip_guard_on_all_nn_modules_unsafe",
-    "globals": "skip_guard_on_globals_unsafe",
-    "all": "skip_all_guards_unsafe",
-}
-
-
-def compile_options(spec: str, graphs: bool) -> dict | None:
-    """torch.compile's `options` from `--inductor` (None: none given, `mode` is used)."""
-    if not spec:
-        return None
-    options = {"triton.cudagraphs": True} if graphs else {}
-    options |= inductor_options(spec)
-    if "guards" in options:
-        options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS[options.pop("guards")])
-    return options
 
 
 def make_train_step(model, recipe, mode: str, x, grad, inductor: str = "", outside=False):

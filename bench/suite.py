@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stacks as stack_builders  # noqa: E402
 from stacks import BUILDERS, build  # noqa: E402
 
-from te_compile_testing import inductor_options  # noqa: E402
+from te_compile_testing import compile_options  # noqa: E402
 
 MODES = ("eager", "compile", "reduce-overhead")
 COMPILED = ("compile", "reduce-overhead")
@@ -134,17 +134,16 @@ def make_recipe(name: str):
 
 
 AUTOCAST = {"where": "inside"}  # --autocast: "outside" compiles the model, te.autocast eager
-INDUCTOR = {"options": {}}  # --inductor: inductor options for every compiled cell
+INDUCTOR = {"spec": ""}  # --inductor: inductor options for every compiled cell
 
 
 def compile_kwargs_for(mode: str) -> dict:
     """torch.compile's arguments for a cell: `mode`, or with --inductor the same as options
     (torch.compile takes one or the other)."""
-    options = INDUCTOR["options"]
-    if not options:
+    options = compile_options(INDUCTOR["spec"], mode == "reduce-overhead")
+    if options is None:
         return {"fullgraph": True, "mode": None if mode == "compile" else mode}
-    graphs = {"triton.cudagraphs": True} if mode == "reduce-overhead" else {}
-    return {"fullgraph": True, "options": {**graphs, **options}}
+    return {"fullgraph": True, "options": options}
 
 
 def make_train_step(model, te_recipe: str | None, recipe, mode: str, x, grad):
@@ -577,7 +576,7 @@ def main() -> None:
     te_compile.patch()
     stack_builders.HEAD_DIM = args.head_dim
     AUTOCAST["where"] = args.autocast
-    INDUCTOR["options"] = inductor_options(args.inductor)
+    INDUCTOR["spec"] = args.inductor
     modes = [m for m in MODES if m in args.modes.split(",")]
     stacks, skipped = usable_stacks(args.stacks.split(","))
     shapes = args.shapes.split(",")

@@ -268,6 +268,26 @@ def inductor_options(spec: str) -> dict:
     return options
 
 
+GUARD_FILTERS = {
+    "nn_modules": "skip_guard_on_all_nn_modules_unsafe",
+    "globals": "skip_guard_on_globals_unsafe",
+    "all": "skip_all_guards_unsafe",
+}
+
+
+def compile_options(spec: str, graphs: bool) -> dict | None:
+    """torch.compile's `options` from the bench scripts' `--inductor` spec (None: none given,
+    `mode` is used): `triton.cudagraphs` when `graphs` (reduce-overhead's CUDA graphs), and
+    `guards=NAME` as one of torch.compiler's guard filters (GUARD_FILTERS)."""
+    if not spec:
+        return None
+    options = {"triton.cudagraphs": True} if graphs else {}
+    options |= inductor_options(spec)
+    if "guards" in options:
+        options["guard_filter_fn"] = getattr(torch.compiler, GUARD_FILTERS[options.pop("guards")])
+    return options
+
+
 def torchrun(script, nproc: int, args: list, timeout: int, env=None, tail: int = 6000):
     """`python -m torch.distributed.run --nproc-per-node nproc script *args` with this checkout
     on PYTHONPATH (the GPU suite's multi-process tests): the finished process, its output's
