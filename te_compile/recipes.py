@@ -30,9 +30,6 @@ RECIPE_CLASS_NAMES = {
 }
 _DTYPES = ("e4m3", "e5m2", "e2m1")  # e2m1: NVFP4's FP4
 
-# TE's split-accumulator defaults when the recipe has no fp8_gemm_* fields (module/base.py).
-_DEFAULT_SPLIT_ACC = (False, True, True)
-
 
 @spec
 class QuantConfig(Spec):
@@ -46,7 +43,8 @@ class QuantConfig(Spec):
     # 1-D or 2-D block scaling per role: Float8BlockScaling's x/w/grad_block_scaling_dim,
     # MXFP8's and NVFP4's with_2d_quantization (2 = on). Unused by per-tensor kinds.
     block_dims: tuple[int, int, int] = labelled("blocks", (1, 2, 1))
-    split_acc: tuple[bool, bool, bool] = labelled("acc", _DEFAULT_SPLIT_ACC)
+    # TE's defaults when the recipe has no fp8_gemm_* fields (module/base.py)
+    split_acc: tuple[bool, bool, bool] = labelled("acc", (False, True, True))
     # Per-tensor FP8 keeps column-wise data as a separate transpose unless the GPU runs
     # non-TN FP8 GEMMs (TE's is_non_tn_fp8_gemm_supported): decides saved-tensor shapes.
     fp8_transpose: bool = labelled("transpose", True)
@@ -115,13 +113,14 @@ def _dtype_name(recipe, fprop: bool) -> str:
 
 
 def _split_acc(recipe) -> tuple[bool, bool, bool]:
-    names = ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad")
     # Looked up in the instance dict (TE's recipes are dataclasses): hasattr's miss on a
-    # recipe without them leaves a guard that raises AttributeError on every call.
+    # recipe without them leaves a guard that raises AttributeError on every call. The
+    # defaults (QuantConfig.split_acc's) are literals: a module global is a guard per entry.
     fields = vars(recipe)
-    return tuple(
-        fields[n].use_split_accumulator if n in fields else default
-        for n, default in zip(names, _DEFAULT_SPLIT_ACC, strict=True)
+    return (
+        fields["fp8_gemm_fprop"].use_split_accumulator if "fp8_gemm_fprop" in fields else False,
+        fields["fp8_gemm_dgrad"].use_split_accumulator if "fp8_gemm_dgrad" in fields else True,
+        fields["fp8_gemm_wgrad"].use_split_accumulator if "fp8_gemm_wgrad" in fields else True,
     )
 
 

@@ -140,24 +140,10 @@ def fake_cuda():
         yield mode
 
 
-@contextlib.contextmanager
-def meta_accepted():
-    """The compiled te.Linear path accepts meta tensors within the block. Backward traces
-    (AOTAutograd) need them: the autograd engine asks the CUDA driver about fake CUDA tensors."""
-    from te_compile.modules import linear
-
-    saved = linear.DEVICE_TYPES
-    linear.DEVICE_TYPES = (*saved, "meta")
-    try:
-        yield
-    finally:
-        linear.DEVICE_TYPES = saved
-
-
 def build_without_gpu(make, device: str) -> torch.nn.Module:
     """`make()` builds a module of TE modules on device="meta"; its parameters are then replaced
     by uninitialised `device` tensors of the same shape and dtype ("cuda" inside fake_cuda(),
-    or "meta" inside meta_accepted())."""
+    or "meta")."""
     with cuda_reported_available():
         module = make()
     for owner in module.modules():

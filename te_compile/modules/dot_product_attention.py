@@ -45,7 +45,7 @@ def _inputs(call: dict, qkv_format: str):
 
 
 def _check_shapes(m, q, k, v, qkv_format: str) -> None:
-    gemm_common.check_device(gemm_common.DEVICE_TYPES, q, k, v)
+    gemm_common.check_device(q, k, v)
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError("Queries, keys and values must have the same data type!")
     if k.shape[:-1] != v.shape[:-1]:

@@ -21,9 +21,6 @@ from ..kernels.process_groups import reduction_group_name
 from ..recipes import QuantConfig, for_linear, unfused_update_requested
 from . import delayed_state, persistent_state
 
-# Devices the compiled paths accept. On "meta" our ops run their fake kernels: simulate_gpu traces
-# that way without a GPU (the autograd engine asks the CUDA driver about every CUDA tensor).
-DEVICE_TYPES = ("cuda", "meta")
 WAY_OUT = "run this module outside torch.compile (or wrap the call in torch.compiler.disable)"
 
 
@@ -235,8 +232,11 @@ def activation_dtype(m, inp: torch.Tensor) -> torch.dtype:
     return inp.dtype
 
 
-def check_device(device_types, *tensors: torch.Tensor) -> None:
-    if any(t.device.type not in device_types for t in tensors):
+def check_device(*tensors: torch.Tensor) -> None:
+    # On "meta" our ops run their fake kernels: simulate_gpu traces that way without a GPU (the
+    # autograd engine asks the CUDA driver about every CUDA tensor). The devices are a literal,
+    # not a module global, which dynamo would guard on every call.
+    if any(t.device.type not in ("cuda", "meta") for t in tensors):
         devices = ", ".join(str(t.device) for t in tensors)
         raise RuntimeError(f"TransformerEngine needs CUDA: got tensors on {devices}.")
 
@@ -330,7 +330,7 @@ def begin_forward(
     bias = concat_split([getattr(m, n) for n in m.bias_names]) if m.use_bias else None
     if is_quantized(inp):
         raise unsupported(name, "a quantized input tensor", "pass a high-precision tensor")
-    check_device(DEVICE_TYPES, inp, weight, *(getattr(m, n) for n in on_device))
+    check_device(inp, weight, *(getattr(m, n) for n in on_device))
     if inp.shape[-1] != weight.shape[1]:
         msg = f"input's last dimension {inp.shape[-1]} does not match in_features={weight.shape[1]}"
         raise ValueError(f"{name}: {msg}")

@@ -38,7 +38,7 @@ def compiled_forward(self, inp, *extra_inputs, normalization: str, **kwargs):
         )
     weight = self.weight
     bias = self.bias if normalization == "LayerNorm" else None
-    gemm_common.check_device(gemm_common.DEVICE_TYPES, inp, weight)
+    gemm_common.check_device(inp, weight)
     weight_dims, input_dims = tuple(weight.shape), tuple(inp.shape)
     if len(input_dims) < len(weight_dims) or input_dims[-len(weight_dims) :] != weight_dims:
         raise ValueError(

@@ -33,7 +33,6 @@ from . import (
     delayed_state,
     fp8_params,
     gemm_common,
-    linear,
     persistent_state,
     tensor_parallel,
 )
@@ -79,7 +78,7 @@ def _check_mlp_options(m, cfg: QuantConfig) -> None:
 def _check_input(m, inp: torch.Tensor, fp8: bool) -> None:
     if gemm_common.is_quantized(inp):
         raise _unsupported("a quantized input tensor", "pass a high-precision tensor")
-    gemm_common.check_device(linear.DEVICE_TYPES, inp, m.fc1_weight, m.fc2_weight)
+    gemm_common.check_device(inp, m.fc1_weight, m.fc2_weight)
     hidden = m.layer_norm_weight.numel()
     if inp.shape[-1] != hidden:
         raise ValueError(

@@ -29,7 +29,6 @@ from ..graph_fp8 import linear as graph_linear
 from ..patching import Swap
 from . import delayed_state, fp8_params, gemm_common, tensor_parallel
 
-DEVICE_TYPES = gemm_common.DEVICE_TYPES  # (read here by the other modules' compiled paths)
 NAME = "te.Linear"
 
 

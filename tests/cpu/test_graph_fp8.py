@@ -12,7 +12,6 @@ import transformer_engine.pytorch as te
 from transformer_engine.common import recipe as R
 
 import te_compile
-import te_compile.modules.linear as module_linear
 from te_compile.graph_fp8 import quantize
 from te_compile_testing import JointRecorder, graph_fp8, op_args
 
@@ -177,7 +176,6 @@ def _compile_step(linear, recipe, x):
 @pytest.mark.parametrize("bias", [True, False])
 def test_linear_graph_path_joint_graph(bias, patched, fake_gpu, graph_breaks, monkeypatch):
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     linear = _linear(monkeypatch, bias)
     x = torch.empty(4, 8, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     with graph_fp8():
@@ -195,7 +193,6 @@ def test_linear_graph_path_joint_graph(bias, patched, fake_gpu, graph_breaks, mo
 def test_graph_path_leaves_other_recipes_to_te_ops(patched, fake_gpu, monkeypatch):
     """Recipes the graph path does not implement run on TE's kernels, as without the option."""
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     linear = _linear(monkeypatch, bias=True)
     x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     with graph_fp8():
@@ -205,7 +202,6 @@ def test_graph_path_leaves_other_recipes_to_te_ops(patched, fake_gpu, monkeypatc
 
 def test_unaligned_shapes_stay_on_te_ops(patched, fake_gpu, monkeypatch):
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     linear = _linear(monkeypatch, bias=False, out_f=40)  # 40: not a multiple of 16
     x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
     with graph_fp8():
@@ -222,12 +218,12 @@ def test_delayed_scaling_graph_path_joint_graph(
     backward amax/scale update as graph operations writing TE's history and scale (two copy_
     at its end), besides the two scaled GEMMs. With TE's Python update asked for
     (NVTE_UNFUSED_FP8_UPDATE=1), TE's update through te_compile's op, after a scale snapshot."""
-    from te_compile_testing import build_without_gpu, meta_accepted, op_targets, recipe_state_on
+    from te_compile_testing import build_without_gpu, op_targets, recipe_state_on
 
     fake_gpu("hopper")
     if not fused:
         monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
-    with meta_accepted(), recipe_state_on("meta"), graph_fp8():
+    with recipe_state_on("meta"), graph_fp8():
         linear = build_without_gpu(
             lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta"), "meta"
         )
@@ -295,7 +291,6 @@ def test_graph_path_inside_te_checkpoint(recipe_name, patched, graph_breaks):
 def test_dynamic_row_count_stays_on_the_graph_path(patched, fake_gpu, graph_breaks, monkeypatch):
     """A dynamic batch dimension (multiples of 16) keeps the graph path (one graph)."""
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     linear = _linear(monkeypatch, bias=False)
     rec = JointRecorder()
 

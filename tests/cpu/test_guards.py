@@ -65,11 +65,9 @@ def test_no_guard_on_a_missing_module_attribute(make, recipe, prepare, patched):
 # a te_compile module global (QuantConfig's allowed kinds and dtypes, userbuffer option names,
 # attention formats), an op config's field table (spec.py), and the attention argument binder's
 # names and defaults (modules/attention.py). Allowed: AUTOCAST_EAGER (state, a one-item list the
-# autocast twin writes), and, not yet removed, _DEFAULT_SPLIT_ACC (TE's MMParams defaults, the
-# dataclass default and the decoder's fallback: 6 lines) and DEVICE_TYPES (8 lines; the tests'
-# meta_accepted() widens it).
+# autocast twin writes).
 GLOBAL_ENTRY = re.compile(r"G\['__import_te_compile[a-z_]*'\]\.(\w+)\[")
-ALLOWED = {"AUTOCAST_EAGER", "_DEFAULT_SPLIT_ACC", "DEVICE_TYPES"}
+ALLOWED = {"AUTOCAST_EAGER"}
 TABLES = ("_FIELDS", 'guard on "defaults"', 'guard on "names"')
 
 

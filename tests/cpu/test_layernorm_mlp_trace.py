@@ -64,13 +64,12 @@ def meta_gpu(patched, fake_gpu, monkeypatch):
     allocated on meta (joint traces without a GPU)."""
     import contextlib
 
-    from te_compile_testing import meta_accepted, recipe_state_on
+    from te_compile_testing import recipe_state_on
 
     stack = contextlib.ExitStack()
 
     def enter(generation):
         fake_gpu(generation)
-        stack.enter_context(meta_accepted())
         stack.enter_context(recipe_state_on("meta"))
 
     yield enter

@@ -19,7 +19,6 @@ from transformer_engine.pytorch import utils as te_utils
 from transformer_engine.pytorch.module import base
 from transformer_engine.pytorch.tensor import nvfp4_tensor
 
-import te_compile.modules.linear as module_linear
 from te_compile.kernels import operands_mx
 from te_compile.kernels.fp8_operands import quantizer as make_quantizer
 from te_compile.recipes import QuantConfig, for_linear
@@ -98,7 +97,6 @@ def test_forward_one_graph(
 
 
 def joint_trace(name, bias, shape, requires_grad, monkeypatch, recipe=None):
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     rec = JointRecorder()
     linear = make_linear(monkeypatch, "meta", bias=bias)
     x = torch.empty(SHAPES[shape], device="meta", dtype=torch.bfloat16)
@@ -344,7 +342,6 @@ def test_rebuilt_storage_matches_te(name, role, shape, pretend, nvfp4_without_gp
 
 def test_mxfp8_fp32_activations(blackwell, graph_breaks, monkeypatch):
     """FP32 parameters and input (NVFP4's Hadamard transform takes BF16 only, in eager too)."""
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     rec = JointRecorder()
     linear = make_linear(monkeypatch, "meta", dtype=torch.float32)
     x = torch.empty(32, IN, device="meta", dtype=torch.float32, requires_grad=True)

@@ -18,7 +18,6 @@ from te_compile.recipes import QuantConfig
 from te_compile_testing import (
     JointRecorder,
     build_without_gpu,
-    meta_accepted,
     op_targets,
     recipe_state_on,
 )
@@ -32,7 +31,7 @@ UPDATE = "te_compile.amax_and_scale_update.default"
 @pytest.fixture
 def meta_delayed(patched, fake_gpu):
     fake_gpu("hopper")
-    with meta_accepted(), recipe_state_on("meta"):
+    with recipe_state_on("meta"):
         yield
 
 

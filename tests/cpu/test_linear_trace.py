@@ -15,7 +15,6 @@ import transformer_engine.pytorch as te
 from conftest import compile_fullgraph, recipe_for
 from transformer_engine.common import recipe as R
 
-import te_compile.modules.linear as module_linear
 from te_compile.recipes import QuantConfig
 from te_compile_testing import JointRecorder, op_args, op_results
 
@@ -101,7 +100,6 @@ def test_no_grad_saves_nothing(patched, fake_gpu, fake_cuda, backend, monkeypatc
 def test_blackwell_keeps_rowwise_layout_for_saved_fp8(patched, fake_gpu, monkeypatch):
     """Per-tensor FP8 on a GPU with non-TN FP8 GEMMs saves [M, K] data, not a transpose."""
     fake_gpu("blackwell")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     rec = JointRecorder()
     linear = make_linear(monkeypatch, "meta", bias=False)
     x = input_of((32, IN), "meta", True)
@@ -123,7 +121,6 @@ def test_forward_backward_joint_graph(
     name, bias, shape, requires_grad, patched, fake_gpu, graph_breaks, monkeypatch
 ):
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     rec = JointRecorder()
     linear = make_linear(monkeypatch, "meta", bias=bias)
     x = input_of(SHAPES[shape], "meta", requires_grad)
@@ -151,7 +148,6 @@ def test_forward_backward_joint_graph(
 def test_fp32_activations(name, patched, fake_gpu, graph_breaks, monkeypatch):
     """FP32 parameters and input (torch.autocast is off on a machine without CUDA)."""
     fake_gpu("hopper")
-    monkeypatch.setattr(module_linear, "DEVICE_TYPES", ("cuda", "meta"))
     rec = JointRecorder()
     linear = make_linear(monkeypatch, "meta", dtype=torch.float32)
     x = input_of((32, IN), "meta", True, dtype=torch.float32)

@@ -13,7 +13,7 @@ import transformer_engine.pytorch as te
 from conftest import recipe_for
 
 from te_compile.modules import persistent_state
-from te_compile_testing import JointRecorder, build_without_gpu, meta_accepted, recipe_state_on
+from te_compile_testing import JointRecorder, build_without_gpu, recipe_state_on
 
 IN, OUT = 64, 64
 FWD, BWD = "te_compile.linear_fwd.default", "te_compile.linear_bwd.default"
@@ -25,7 +25,7 @@ CACHEABLE = ["current", "block", "delayed"]
 @pytest.fixture
 def meta_hopper(patched, fake_gpu, graph_breaks):
     fake_gpu("hopper")
-    with meta_accepted(), recipe_state_on("meta"):
+    with recipe_state_on("meta"):
         yield graph_breaks
 
 
@@ -85,11 +85,10 @@ def test_weight_cache_two_graphs_over_microbatches(name, meta_hopper):
 
 def test_weight_cache_refused_for_mxfp8(patched, fake_gpu):
     fake_gpu("blackwell")
-    with meta_accepted():
-        linear = make_linear()
-        step = torch.compile(autocast_step(linear, recipe_for("mxfp8")), fullgraph=True)
-        with pytest.raises(Exception, match="is_first_microbatch"):
-            step(x_meta(), is_first_microbatch=True)
+    linear = make_linear()
+    step = torch.compile(autocast_step(linear, recipe_for("mxfp8")), fullgraph=True)
+    with pytest.raises(Exception, match="is_first_microbatch"):
+        step(x_meta(), is_first_microbatch=True)
 
 
 # ---- fuse_wgrad_accumulation -------------------------------------------------------------------

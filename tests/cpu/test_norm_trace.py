@@ -15,7 +15,7 @@ from conftest import compile_fullgraph
 from transformer_engine.common import recipe as R
 
 from te_compile.spec import NormSpec
-from te_compile_testing import JointRecorder, build_without_gpu, meta_accepted, op_args, op_targets
+from te_compile_testing import JointRecorder, build_without_gpu, op_args, op_targets
 
 H = 64
 NORMS = {"LayerNorm": te.LayerNorm, "RMSNorm": te.RMSNorm}
@@ -70,12 +70,11 @@ def test_forward_backward_joint_graph(
 ):
     fake_gpu("hopper")
     rec = JointRecorder()
-    with meta_accepted():
-        norm = make_norm(name, "meta", dtype, zero_centered_gamma=zero_centered_gamma)
-        x = torch.empty(4, 8, H, device="meta", dtype=dtype, requires_grad=requires_grad)
-        r = R.Float8CurrentScaling() if recipe else None
-        out = torch.compile(call(norm, r), backend=rec.backend, fullgraph=True)(x)
-        out.sum().backward()
+    norm = make_norm(name, "meta", dtype, zero_centered_gamma=zero_centered_gamma)
+    x = torch.empty(4, 8, H, device="meta", dtype=dtype, requires_grad=requires_grad)
+    r = R.Float8CurrentScaling() if recipe else None
+    out = torch.compile(call(norm, r), backend=rec.backend, fullgraph=True)(x)
+    out.sum().backward()
     assert graph_breaks() == 0 and len(rec.fw) == 1 and len(rec.bw) == 1
     assert op_targets(rec.fw).count(FWD) == 1 and op_targets(rec.bw).count(BWD) == 1
     assert out.dtype == dtype
@@ -90,11 +89,10 @@ def test_bf16_input_fp32_params_computes_in_fp32(patched, fake_gpu, graph_breaks
     """As TE's op: the compute dtype is the weight's; the input is cast to it."""
     fake_gpu("hopper")
     rec = JointRecorder()
-    with meta_accepted():
-        norm = make_norm("RMSNorm", "meta", torch.float32)
-        x = torch.empty(32, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
-        out = torch.compile(call(norm), backend=rec.backend, fullgraph=True)(x)
-        out.sum().backward()
+    norm = make_norm("RMSNorm", "meta", torch.float32)
+    x = torch.empty(32, H, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    out = torch.compile(call(norm), backend=rec.backend, fullgraph=True)(x)
+    out.sum().backward()
     assert out.dtype == torch.float32 and x.grad.dtype == torch.bfloat16
     assert graph_breaks() == 0
 
