@@ -139,6 +139,17 @@ case "${PART:-all}" in
       --shapes 1024x512x4x1 --inductor triton.descriptive_names=0 --json "$out/short-names.json" \
       --plots "$out" "$@" 2>&1 | tee "$out/benchnames.log"
     exit "${PIPESTATUS[0]}" ;;
+  # Not tests: the same comparisons in one process, variants timed in alternating rounds
+  # (bench/ab.py: what the host's drift between calls hides), RECIPE=current by default;
+  # about 4 minutes on an H200 (5 variants compiled, 12 rounds).
+  ab)
+    r=${RECIPE:-current}
+    "$py" bench/ab.py --shape 1024x512x4x1 --mode compile --head-dim 64 \
+      --variant te-transformer/$r --variant te-transformer/$r@triton.descriptive_names=0 \
+      --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
+      --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
+      tee "$out/ab-$r.log"
+    exit "${PIPESTATUS[0]}" ;;
   bench | bench1024 | bench2048 | guide)
     issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
     small=(--head-dim 64 --recipes current,delayed,block --shapes)

@@ -1,0 +1,84 @@
+"""bench/ab.py: the rotation of variants over rounds, the per-round ratios, the variant syntax,
+and the dynamo behaviour it relies on (one function compiled with two sets of options keeps
+both)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ab():
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        spec = importlib.util.spec_from_file_location("ab", ROOT / "bench" / "ab.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_every_round_runs_every_variant_in_a_rotated_order(ab):
+    order = []
+    measured = ab.alternate(lambda v: order.append(v) or (1.0, 1.0), 3, 4)
+    assert order == [0, 1, 2, 1, 2, 0, 2, 0, 1, 0, 1, 2]
+    assert [len(m) for m in measured] == [4, 4, 4]
+
+
+def test_ratio_is_the_median_of_per_round_ratios(ab):
+    """A drift shared by every variant of a round cancels out of the ratio."""
+    drift = [1.0, 1.5, 0.8, 1.2, 2.0]
+    measured = [[(10.0 * d, 1.0) for d in drift], [(8.0 * d, 1.0) for d in drift]]
+    rows = ab.summary(["a", "b"], measured, [1.0, 1.0])
+    assert rows[1]["speedup_vs_first"] == pytest.approx(1.25)
+    assert rows[1]["speedup_range"] == pytest.approx([1.25, 1.25])
+    assert rows[0]["step_ms"] == pytest.approx(12.0)  # the median over rounds moves with the drift
+
+
+def test_variant_syntax(ab):
+    assert ab.parse_variant("te-transformer/delayed@cpp_wrapper=1,triton.descriptive_names=0") == (
+        "te-transformer",
+        "delayed",
+        "cpp_wrapper=1,triton.descriptive_names=0",
+    )
+    assert ab.parse_variant("torch-transformer") == ("torch-transformer", None, "")
+    with pytest.raises(ValueError, match="RECIPE"):
+        ab.parse_variant("te-transformer")
+    with pytest.raises(ValueError, match="RECIPE"):
+        ab.parse_variant("torch-transformer/current")
+
+
+def test_te_variants_share_one_recipe(ab):
+    with pytest.raises(ValueError, match="share one stack and recipe"):
+        ab.build_steps(["te-transformer/current", "te-transformer/delayed"], "64x16x1x1", "compile")
+
+
+def test_one_function_compiled_with_two_option_sets_keeps_both():
+    """ab.py compiles the same step function once per variant; alternating them must not
+    recompile (dynamo keeps one cache entry per backend)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU(), torch.nn.Linear(16, 16))
+    x = torch.randn(4, 16, requires_grad=True)
+
+    def compiled(options):
+        def step(inp):
+            return model(inp)
+
+        return torch.compile(step, fullgraph=True, **({"options": options} if options else {}))
+
+    before = counters["stats"]["unique_graphs"]
+    a, b = compiled(None), compiled({"triton.descriptive_names": False})
+    for _ in range(3):
+        for f in (a, b):
+            f(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] - before == 2
