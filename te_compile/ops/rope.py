@@ -18,9 +18,6 @@ from torch import Tensor
 from ..kernels import extension
 from .registry import Op, op
 
-FORMATS = ("sbhd", "bshd", "thd")
-
-
 def _qkv_format(tensor_format: str):
     from transformer_engine.pytorch.cpp_extensions.fused_attn import QKVFormat
 
