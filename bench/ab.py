@@ -62,13 +62,11 @@ def build_steps(variants: list[str], shape: str, mode: str) -> list:
             model = suite.build(stack, hidden, layers)
             x = torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True)
             grad = torch.randn(*dims, device="cuda", dtype=torch.bfloat16)
-            models[key] = (model, x, grad)
-        model, x, grad = models[key]
-        recipe = None
-        if recipe_name:
-            recipe, why = suite.make_recipe(recipe_name)
+            recipe, why = suite.make_recipe(recipe_name) if recipe_name else (None, None)
             if why:
                 raise SystemExit(f"{stack}/{recipe_name}: {why}")
+            models[key] = (model, x, grad, recipe)
+        model, x, grad, recipe = models[key]
         items = [item for item in inductor.split(",") if item]
         cpp = "cpp_wrapper=1" in items
         suite.INDUCTOR["spec"] = ",".join(i for i in items if not i.startswith("cpp_wrapper="))
