@@ -35,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import suite  # noqa: E402  (bench/suite.py: the stacks, recipes and compiled steps)
+from profile_step import issue_ms  # noqa: E402
 
 
 def parse_variant(text: str) -> tuple[str, str | None, str]:
@@ -104,14 +105,7 @@ def one_round(step, steps: int) -> tuple[float, float]:
         step()
         end.record()
     torch.cuda.synchronize()
-    issue = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        issue.append((time.perf_counter() - t0) * 1e3)
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events), statistics.median(issue)
+    return statistics.median(s.elapsed_time(e) for s, e in events), issue_ms(step, steps)
 
 
 def alternate(run_round, n_variants: int, rounds: int) -> list[list[tuple[float, float]]]:
