@@ -37,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import suite  # noqa: E402  (bench/suite.py: the stacks, recipes and compiled steps)
 from profile_step import issue_ms  # noqa: E402
 
+DEVICE = "cuda"  # the inputs' (the stacks build on CUDA; tests/cpu/test_bench_ab.py swaps both)
+
 
 def parse_variant(text: str) -> tuple[str, str | None, str]:
     """STACK[/RECIPE][@INDUCTOR] -> (stack, recipe or None, inductor spec)."""
@@ -61,8 +63,8 @@ def build_steps(variants: list[str], shape: str, mode: str) -> list:
         if key not in models:
             torch.manual_seed(0)
             model = suite.build(stack, hidden, layers)
-            x = torch.randn(*dims, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            grad = torch.randn(*dims, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(*dims, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+            grad = torch.randn(*dims, device=DEVICE, dtype=torch.bfloat16)
             recipe, why = suite.make_recipe(recipe_name) if recipe_name else (None, None)
             if why:
                 raise SystemExit(f"{stack}/{recipe_name}: {why}")

@@ -82,3 +82,46 @@ def test_one_function_compiled_with_two_option_sets_keeps_both():
         for f in (a, b):
             f(x).sum().backward()
     assert counters["stats"]["unique_graphs"] - before == 2
+
+
+class _HostEvent:
+    """torch.cuda.Event's timing on the host clock, for a run without a GPU."""
+
+    def __init__(self, enable_timing=False):
+        self.t = 0.0
+
+    def record(self):
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+def test_two_variants_compile_alternate_and_report(ab, monkeypatch):
+    """The whole flow on the CPU with a small plain-PyTorch stack in place of the CUDA ones:
+    each variant compiled once (two graphs: forward and backward), rounds alternated without
+    recompiling, one summary row per variant."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    monkeypatch.setattr(ab, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
+
+    def build(name, hidden, layers):
+        assert name == "torch"
+        return torch.nn.Sequential(torch.nn.Linear(hidden, hidden), torch.nn.GELU()).bfloat16()
+
+    monkeypatch.setattr(ab.suite, "build", build)
+    variants = ["torch", "torch@triton.descriptive_names=0"]
+    before = counters["stats"]["unique_graphs"]
+    steps = ab.build_steps(variants, "64x16x1", "compile")
+    compile_s = ab.first_calls(steps, warmup=1)
+    compiled = counters["stats"]["unique_graphs"] - before
+    measured = ab.alternate(lambda v: ab.one_round(steps[v][0], 2), len(steps), 3)
+    rows = ab.summary(variants, measured, compile_s)
+    assert compiled == 2 and counters["stats"]["unique_graphs"] - before == 2
+    assert [r["variant"] for r in rows] == variants
+    assert all(r["step_ms"] > 0 and len(r["rounds"]) == 3 for r in rows)
