@@ -140,11 +140,11 @@ case "${PART:-all}" in
       --plots "$out" "$@" 2>&1 | tee "$out/benchnames.log"
     exit "${PIPESTATUS[0]}" ;;
   # Not tests: the same comparisons in one process, variants timed in alternating rounds
-  # (bench/ab.py: what the host's drift between calls hides), RECIPE=current by default;
-  # about 4 minutes on an H200 (5 variants compiled, 12 rounds).
+  # (bench/ab.py: what the host's drift between calls hides), RECIPE=current and
+  # SHAPE=1024x512x4x1 by default; an estimated 4 minutes (5 variants compiled, 12 rounds).
   ab)
     r=${RECIPE:-current}
-    "$py" bench/ab.py --shape 1024x512x4x1 --mode compile --head-dim 64 \
+    "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
       --variant te-transformer/$r --variant te-transformer/$r@triton.descriptive_names=0 \
       --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
       --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
