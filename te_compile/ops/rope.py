@@ -18,6 +18,7 @@ from torch import Tensor
 from ..kernels import extension
 from .registry import Op, op
 
+
 def _qkv_format(tensor_format: str):
     from transformer_engine.pytorch.cpp_extensions.fused_attn import QKVFormat
 
