@@ -121,35 +121,6 @@ case "${PART:-all}" in
   # so PART=bench1024 and PART=bench2048 for a lent machine's 10-minute calls; PART=guide: TE's
   # guide layer with the guide's recipe (under 2 minutes). bench/targets.py over the calls'
   # JSON files together gives the whole table.
-  # Not tests: default mode at H=1024 with inductor's C++ wrapper and without, one process each
-  # (the setting is global), every stack (docs/performance.md, session 35).
-  benchcpp)
-    cells=(--stacks te-transformer,torch-transformer,torchao-transformer --head-dim 64 --warmup 3
-           --steps 20 --recipes current,delayed --modes compile --shapes 1024x512x4x1)
-    "$py" bench/suite.py "${cells[@]}" --json "$out/python-wrapper.json" --plots "$out" "$@" \
-      2>&1 | tee "$out/benchcpp.log"
-    TORCHINDUCTOR_CPP_WRAPPER=1 "$py" bench/suite.py "${cells[@]}" --json "$out/cpp-wrapper.json" \
-      --plots "$out" "$@" 2>&1 | tee -a "$out/benchcpp.log"
-    exit "${PIPESTATUS[0]}" ;;
-  # Default mode at H=1024 with short kernel names (inductor's static launcher misses kernels
-  # named past 150 characters: docs/performance.md, session 35); beside benchcpp's defaults.
-  benchnames)
-    "$py" bench/suite.py --stacks te-transformer,torch-transformer,torchao-transformer \
-      --head-dim 64 --warmup 3 --steps 20 --recipes current,delayed --modes compile \
-      --shapes 1024x512x4x1 --inductor triton.descriptive_names=0 --json "$out/short-names.json" \
-      --plots "$out" "$@" 2>&1 | tee "$out/benchnames.log"
-    exit "${PIPESTATUS[0]}" ;;
-  # Not tests: the same comparisons in one process, variants timed in alternating rounds
-  # (bench/ab.py: what the host's drift between calls hides), RECIPE=current and
-  # SHAPE=1024x512x4x1 by default; an estimated 4 minutes (5 variants compiled, 12 rounds).
-  ab)
-    r=${RECIPE:-current}
-    "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
-      --variant te-transformer/$r --variant te-transformer/$r@triton.descriptive_names=0 \
-      --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
-      --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
-      tee "$out/ab-$r.log"
-    exit "${PIPESTATUS[0]}" ;;
   bench | bench1024 | bench2048 | guide)
     issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
     small=(--head-dim 64 --recipes current,delayed,block --shapes)
@@ -164,6 +135,18 @@ case "${PART:-all}" in
     status=${PIPESTATUS[0]}
     "$py" bench/targets.py "$out/$PART.json" | tee -a "$out/$PART.log"
     exit "$status" ;;
+  # Not tests: default mode with inductor's defaults, short kernel names and the C++ wrapper,
+  # TE against torchao, in one process with the variants timed in alternating rounds
+  # (bench/ab.py; separate processes drift more than these effects, session 36).
+  # RECIPE=current and SHAPE=1024x512x4x1 by default; an estimated 4 minutes.
+  ab)
+    r=${RECIPE:-current}
+    "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
+      --variant te-transformer/$r --variant te-transformer/$r@triton.descriptive_names=0 \
+      --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
+      --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
+      tee "$out/ab-$r.log"
+    exit "${PIPESTATUS[0]}" ;;
   diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"
         exit "${PIPESTATUS[0]}" ;;
   *) files=(tests) ;;
@@ -173,7 +156,11 @@ esac
 status=${PIPESTATUS[0]}
 for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   [ -f "$bench" ] || continue
-  case "$bench" in bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;; esac  # diagnoses, run on their own
+  # diagnoses run on their own; ab.py and targets.py need arguments (PART=ab, the bench parts)
+  case "$bench" in
+    bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;;
+    bench/ab.py | bench/targets.py) continue ;;
+  esac
   echo "== $bench" | tee -a "$out/bench.log"
   "$py" "$bench" 2>&1 | tee -a "$out/bench.log"
 done
