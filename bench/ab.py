@@ -72,7 +72,11 @@ def build_steps(variants: list[str], shape: str, mode: str) -> list:
         model, x, grad, recipe = models[key]
         items = [item for item in inductor.split(",") if item]
         cpp = "cpp_wrapper=1" in items
-        suite.INDUCTOR["spec"] = ",".join(i for i in items if not i.startswith("cpp_wrapper="))
+        items = [i for i in items if not i.startswith("cpp_wrapper=")]
+        # torch.compile's inductor backends compare equal when their options do, and dynamo then
+        # reuses the other variant's compiled code: an option at its default value keeps the
+        # wrapper variant's own (session 37: it had reused the first variant's, 0.0 s to compile).
+        suite.INDUCTOR["spec"] = ",".join(items + ["trace.enabled=0"] * cpp)
         step = suite.make_train_step(model, recipe_name, recipe, mode, x, grad)
         steps.append((step, cpp))
     return steps
@@ -83,7 +87,9 @@ def first_calls(steps: list, warmup: int) -> list[float]:
     from torch._inductor import config as inductor_config
 
     seconds = []
+    frames = torch._dynamo.utils.counters["stats"]
     for step, cpp in steps:
+        before = frames["unique_graphs"]
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         if cpp:
@@ -93,6 +99,8 @@ def first_calls(steps: list, warmup: int) -> list[float]:
             step()
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
+        if frames["unique_graphs"] == before:
+            raise RuntimeError("a variant's first call compiled nothing: it reused another's code")
         for _ in range(warmup):
             step()
     return seconds

@@ -125,3 +125,33 @@ def test_two_variants_compile_alternate_and_report(ab, monkeypatch):
     assert compiled == 2 and counters["stats"]["unique_graphs"] - before == 2
     assert [r["variant"] for r in rows] == variants
     assert all(r["step_ms"] > 0 and len(r["rounds"]) == 3 for r in rows)
+
+
+def _cpu_flow(ab, monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(ab, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(
+        ab.suite, "build", lambda name, hidden, layers: torch.nn.Linear(16, 16).bfloat16()
+    )
+
+
+def test_a_variant_that_reuses_another_compile_is_refused(ab, monkeypatch):
+    """torch.compile's inductor backends compare equal when their options do, and dynamo then
+    runs the first variant's code for the second: first_calls must say so, not time it."""
+    _cpu_flow(ab, monkeypatch)
+    steps = ab.build_steps(["torch", "torch"], "16x8x1", "compile")
+    with pytest.raises(RuntimeError, match="compiled nothing"):
+        ab.first_calls(steps, warmup=0)
+
+
+def test_the_cpp_wrapper_variant_compiles_its_own_code(ab, monkeypatch):
+    """Session 37 on an H200: `@cpp_wrapper=1`, applied as a global setting with the same
+    options as the first variant, had reused the first variant's compile (0.0 s)."""
+    from torch._dynamo.utils import counters
+
+    _cpu_flow(ab, monkeypatch)
+    steps = ab.build_steps(["torch", "torch@cpp_wrapper=1"], "16x8x1", "compile")
+    before = counters["stats"]["unique_graphs"]
+    ab.first_calls(steps, warmup=0)
+    assert counters["stats"]["unique_graphs"] - before == 2  # one dynamo graph per variant
