@@ -149,7 +149,9 @@ case "${PART:-all}" in
     exit "${PIPESTATUS[0]}" ;;
   diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"
         exit "${PIPESTATUS[0]}" ;;
-  *) files=(tests) ;;
+  all) files=(tests) ;;
+  # a misspelt part ran the whole suite until its stop (session 37's "loops" for loops1/loops2)
+  *) echo "gpu_suite.sh: no part named PART=$PART (see the list above)" >&2; exit 2 ;;
 esac
 "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
   "$@" 2>&1 | tee "$out/gpu-tests.log"
