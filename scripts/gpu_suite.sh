@@ -135,14 +135,15 @@ case "${PART:-all}" in
     status=${PIPESTATUS[0]}
     "$py" bench/targets.py "$out/$PART.json" | tee -a "$out/$PART.log"
     exit "$status" ;;
-  # Not tests: default mode with inductor's defaults, short kernel names and the C++ wrapper,
-  # TE against torchao, in one process with the variants timed in alternating rounds
-  # (bench/ab.py; separate processes drift more than these effects, session 36).
-  # RECIPE=current and SHAPE=1024x512x4x1 by default; an estimated 4 minutes.
+  # Not tests: default mode with inductor's defaults, combo kernels and the C++ wrapper, TE
+  # against torchao, in one process with the variants timed in alternating rounds (bench/ab.py;
+  # separate processes drift more than these effects, session 36). Short kernel names, here
+  # in session 37, gave no gain twice. RECIPE=current and SHAPE=1024x512x4x1 by default;
+  # about 3 (current) and 4 (DelayedScaling) minutes on an H200 (session 37).
   ab)
     r=${RECIPE:-current}
     "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
-      --variant te-transformer/$r --variant te-transformer/$r@triton.descriptive_names=0 \
+      --variant te-transformer/$r --variant te-transformer/$r@combo_kernels=1 \
       --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
       --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
       tee "$out/ab-$r.log"
