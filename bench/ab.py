@@ -18,7 +18,11 @@ first variant is the median of the per-round ratios, with their range.
 TE variants share one model (and TE recipe): two TE models in one process would each update
 the other's DelayedScaling state at every autocast exit. `cpp_wrapper=1` is applied as
 inductor's global setting around the variant's first step (forward and backward compile), since
-torch 2.11 takes it no other way (pytorch#178845).
+torch 2.11 takes it no other way (pytorch#178845), with an option at its default value
+(`trace.enabled=0`) that gives it a compiled entry of its own: torch.compile's inductor
+backends compare equal when their options do, and dynamo then runs one variant's code for the
+other. A variant whose first call compiles nothing is refused for that reason; an A/A pair is
+`X` and `X@trace.enabled=0`.
 """
 
 from __future__ import annotations
@@ -100,7 +104,11 @@ def first_calls(steps: list, warmup: int) -> list[float]:
         torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         if frames["unique_graphs"] == before:
-            raise RuntimeError("a variant's first call compiled nothing: it reused another's code")
+            raise RuntimeError(
+                "a variant's first call compiled nothing: it reused another variant's compiled "
+                "code (equal options; for an A/A pair add an option at its default value, e.g. "
+                "@trace.enabled=0), or dynamo's recompile limit was reached"
+            )
         for _ in range(warmup):
             step()
     return seconds

@@ -80,3 +80,20 @@ def test_a_stopped_part_reports_its_progress(tmp_path):
     assert done.returncode != 0
     want = "progress before the stop: 11 passed, 1 failed, 2 skipped, 1 xfailed"
     assert want in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("var", ["PART", "PARTS"])
+def test_a_misspelt_part_is_refused_before_anything_runs(tmp_path, var):
+    """Session 37's `PART=loops` (for loops1/loops2) fell through to the whole suite and ran it
+    until its stop: an unknown name now stops the script at once, naming the part."""
+    value = "loops" if var == "PART" else "2a loops"
+    env = {**os.environ, var: value, "OUT": str(tmp_path), "PYTHON": sys.executable}
+    done = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_suite.sh")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "no part named loops" in done.stderr, done.stderr
+    assert not (tmp_path / "queue.log").exists() and not (tmp_path / "doctor.txt").exists()
