@@ -141,16 +141,18 @@ case "${PART:-all}" in
     status=${PIPESTATUS[0]}
     "$py" bench/targets.py "$out/$PART.json" | tee -a "$out/$PART.log"
     exit "$status" ;;
-  # Not tests: default mode with inductor's defaults, combo kernels and the C++ wrapper, TE
+  # Not tests: default mode with inductor's defaults, combo kernels, no output size asserts
+  # (session 37's cProfile: 279-379 checks per step) and the C++ wrapper, TE
   # against torchao, in one process with the variants timed in alternating rounds (bench/ab.py;
   # separate processes drift more than these effects, session 36). Short kernel names, here
   # until session 37, gave no step-time gain in sessions 36 and 37. RECIPE=current and
-  # SHAPE=1024x512x4x1 by default; session 37 on an H200: 2.5 minutes for current scaling with
-  # --rounds 10 (caches warm), 4 for DelayedScaling with 12.
+  # SHAPE=1024x512x4x1 by default; session 37 on an H200, five variants: 2.5 minutes for
+  # current scaling with --rounds 10 (caches warm), 4 for DelayedScaling with 12.
   ab)
     r=${RECIPE:-current}
     "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
       --variant te-transformer/$r --variant te-transformer/$r@combo_kernels=1 \
+      --variant te-transformer/$r@size_asserts=0 \
       --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
       --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
       tee "$out/ab-$r.log"
