@@ -17,22 +17,15 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine b
 ROOT = Path(__file__).resolve().parents[2]
 
 
+def run_suite(tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    """scripts/gpu_suite.sh with `env` added, its output folder `tmp_path`."""
+    env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable, **env}
+    script = str(ROOT / "scripts/gpu_suite.sh")
+    return subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=600)
+
+
 def run_queue(tmp_path: Path, parts: str, gpus: int, timeout: int = 0):
-    env = {
-        **os.environ,
-        "PARTS": parts,
-        "GPUS": str(gpus),
-        "OUT": str(tmp_path),
-        "PYTHON": sys.executable,
-        "PART_TIMEOUT": str(timeout),
-    }
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts/gpu_suite.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    done = run_suite(tmp_path, PARTS=parts, GPUS=str(gpus), PART_TIMEOUT=str(timeout))
     return done.returncode, done.stdout, (tmp_path / "queue.log").read_text()
 
 
@@ -86,14 +79,6 @@ def test_a_stopped_part_reports_its_progress(tmp_path):
 def test_a_misspelt_part_is_refused_before_anything_runs(tmp_path, var):
     """Session 37's `PART=loops` (for loops1/loops2) fell through to the whole suite and ran it
     until its stop: an unknown name now stops the script at once, naming the part."""
-    value = "loops" if var == "PART" else "2a loops"
-    env = {**os.environ, var: value, "OUT": str(tmp_path), "PYTHON": sys.executable}
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts/gpu_suite.sh")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-    )
+    done = run_suite(tmp_path, **{var: "loops" if var == "PART" else "2a loops"})
     assert done.returncode == 2 and "no part named loops" in done.stderr, done.stderr
     assert not (tmp_path / "queue.log").exists() and not (tmp_path / "doctor.txt").exists()
