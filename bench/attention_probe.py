@@ -1,8 +1,9 @@
 """Does PyTorch's cuDNN attention give TE's fused attention bits? A probe for issue 20's "fewer
 calls into TE": TE's `fused_attn_fwd`/`fused_attn_bwd` took 110-150 us of CPU per call in a
-compiled step (session 37's profile), and a source reading (session 37) found that both build
-the same cudnn-frontend SDPA graph for bf16, separate q/k/v in sbhd, causal or no mask, no
-dropout, given the same strides and an explicit scale. Nothing in te_compile uses this yet.
+compiled step (session 37's profile), and a source reading (session 37; torch 2.11's MHA.cpp
+inferred from neighbouring versions) found no difference between the cudnn-frontend SDPA
+graphs the two build for bf16, separate q/k/v in sbhd, causal or no mask, no dropout, given the
+same strides and an explicit scale. Nothing in te_compile uses this yet.
 
     python bench/attention_probe.py [--heads 16] [--groups 16,4] [--head-dim 64,128]
                                     [--seq 128,1000,2048] [--batch 2] [--calls 200]
