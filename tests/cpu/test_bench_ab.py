@@ -99,16 +99,24 @@ class _HostEvent:
         return (end.t - self.t) * 1e3
 
 
+def _cpu_flow(ab, monkeypatch):
+    """ab.py on the CPU: inputs there, no CUDA synchronize, a small plain-PyTorch stack."""
+    torch._dynamo.reset()
+    monkeypatch.setitem(ab.suite.INDUCTOR, "spec", "")  # build_steps sets it per variant
+    monkeypatch.setattr(ab, "DEVICE", "cpu")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(
+        ab.suite, "build", lambda name, hidden, layers: torch.nn.Linear(16, 16).bfloat16()
+    )
+
+
 def test_two_variants_compile_alternate_and_report(ab, monkeypatch):
     """The whole flow on the CPU with a small plain-PyTorch stack in place of the CUDA ones:
     each variant compiled once (two graphs: forward and backward), rounds alternated without
     recompiling, one summary row per variant."""
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
-    monkeypatch.setitem(ab.suite.INDUCTOR, "spec", "")
-    monkeypatch.setattr(ab, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    _cpu_flow(ab, monkeypatch)
     monkeypatch.setattr(torch.cuda, "Event", _HostEvent)
 
     def build(name, hidden, layers):
@@ -126,16 +134,6 @@ def test_two_variants_compile_alternate_and_report(ab, monkeypatch):
     assert compiled == 2 and counters["stats"]["unique_graphs"] - before == 2
     assert [r["variant"] for r in rows] == variants
     assert all(r["step_ms"] > 0 and len(r["rounds"]) == 3 for r in rows)
-
-
-def _cpu_flow(ab, monkeypatch):
-    torch._dynamo.reset()
-    monkeypatch.setitem(ab.suite.INDUCTOR, "spec", "")  # build_steps sets it per variant
-    monkeypatch.setattr(ab, "DEVICE", "cpu")
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
-    monkeypatch.setattr(
-        ab.suite, "build", lambda name, hidden, layers: torch.nn.Linear(16, 16).bfloat16()
-    )
 
 
 def test_a_variant_that_reuses_another_compile_is_refused(ab, monkeypatch):

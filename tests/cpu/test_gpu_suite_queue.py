@@ -65,11 +65,7 @@ def test_a_stopped_part_reports_its_progress(tmp_path):
         "sleep 60\n"
     )
     fake.chmod(0o755)
-    env = {**os.environ, "PARTS": "2a", "GPUS": "1", "OUT": str(tmp_path / "out")}
-    env.update(PYTHON=str(fake), PART_TIMEOUT="3")
-    done = subprocess.run(
-        ["bash", str(ROOT / "scripts/gpu_suite.sh")], capture_output=True, text=True, env=env
-    )
+    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=str(fake), PART_TIMEOUT="3")
     assert done.returncode != 0
     want = "progress before the stop: 11 passed, 1 failed, 2 skipped, 1 xfailed"
     assert want in done.stdout, done.stdout
