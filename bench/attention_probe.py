@@ -31,6 +31,7 @@ os.environ.setdefault("NVTE_UNFUSED_ATTN", "0")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+import transformer_engine  # noqa: E402
 import transformer_engine.pytorch as te  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
@@ -130,8 +131,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--calls", type=int, default=200)
     args = p.parse_args()
+    try:
+        cudnn = torch.backends.cudnn.version()
+    except RuntimeError as e:  # torch built against one cuDNN and another loaded first
+        cudnn = f"unusable by torch ({str(e).splitlines()[0][:120]})"
     print(
-        f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, TE {te.__version__}, "
+        f"torch {torch.__version__}, cuDNN {cudnn}, TE {transformer_engine.__version__}, "
         f"{torch.cuda.get_device_name()}, batch {args.batch}, sbhd bf16"
     )
     print(

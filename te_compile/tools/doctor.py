@@ -53,8 +53,22 @@ def report() -> str:
         except Exception as e:  # noqa: BLE001  (a report, not a check)
             cudnn = f"unknown ({type(e).__name__}: {e})"
         lines.append(_line("cuDNN (TE's)", cudnn))
+        lines.append(_line("cuDNN (torch's)", _torch_cudnn()))
     lines.append(_line("patched", te_compile.is_patched()))
     return "\n".join(lines)
+
+
+def _torch_cudnn() -> str:
+    """torch's view of the cuDNN loaded in this process. On a lent H200 (session 38) TE had
+    loaded the venv's cuDNN 9.14 and torch, built against 9.19, refused it in
+    `torch.backends.cudnn.version()`: say so here rather than at a user's first cuDNN call."""
+    import torch
+
+    try:
+        version = torch.backends.cudnn.version()
+    except RuntimeError as e:
+        return f"UNUSABLE by torch: {str(e).splitlines()[0]}"
+    return "none" if version is None else str(version)
 
 
 def _cudnn_graph_note(version: tuple) -> str:

@@ -81,3 +81,17 @@ def test_doctor_cudnn_graph_note():
     assert "multiples of 128" in _cudnn_graph_note((9, 10, 2))
     assert _cudnn_graph_note((9, 15, 1)) == "9.15.1"
     assert _cudnn_graph_note((9, 16, 0)) == "9.16.0"
+
+
+def test_doctor_torch_cudnn_refused(monkeypatch):
+    """torch refusing the loaded cuDNN (seen on a lent H200: built for 9.19, TE loaded 9.14) is
+    reported with torch's own words, and a usable one by its version."""
+    from te_compile.tools.doctor import _torch_cudnn
+
+    def refuse():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled against (9, 19, 0)")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", refuse)
+    assert _torch_cudnn().startswith("UNUSABLE by torch: cuDNN version incompatibility")
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
+    assert _torch_cudnn() == "91900"
