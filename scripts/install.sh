@@ -84,6 +84,14 @@ sys.exit(have < tuple(int(p) for p in '$mincudnn'.split('.')))" 2>/dev/null && r
   pip install -q "$cudnnpkg~=$mincudnn"
 }
 ensure_cudnn
+# TE's import loads cuRAND ("curand shared object not found" without it); torch pulled it in up
+# to 2.14 (nvidia-curand for CUDA 13, nvidia-curand-cu12 before), torch 2.15.0 no longer does.
+curandpkg=nvidia-curand
+[ "$torchcuda" = 12 ] && curandpkg=nvidia-curand-cu12
+if ! "$py" -c "import importlib.metadata as m; m.version('$curandpkg')" 2>/dev/null; then
+  log "torch $torchver does not bring cuRAND, which TE loads at import: installing $curandpkg"
+  pip install -q "$curandpkg"
+fi
 
 # shellcheck source=/dev/null
 source "$root/scripts/env.sh" "$venv"
