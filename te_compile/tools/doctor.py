@@ -32,7 +32,7 @@ def report() -> str:
     try:
         importlib.import_module("transformer_engine.pytorch")
     except Exception as e:  # noqa: BLE001  (report any import failure)
-        lines.append(_line("import TE", f"FAILED: {type(e).__name__}: {e}"))
+        lines.append(_line("import TE", f"FAILED: {type(e).__name__}: {e}{_import_hint(e)}"))
         return "\n".join(lines)
     utils = importlib.import_module("transformer_engine.pytorch.utils")
     reason = getattr(utils, "_compile_disabled_reason", None)
@@ -56,6 +56,14 @@ def report() -> str:
         lines.append(_line("cuDNN (torch's)", _torch_cudnn()))
     lines.append(_line("patched", te_compile.is_patched()))
     return "\n".join(lines)
+
+
+def _import_hint(error: Exception) -> str:
+    """The way out of an import failure seen before: torch 2.15 stopped installing cuRAND, which
+    TE 2.20 loads at import (docs/install.md)."""
+    if "curand shared object not found" in str(error):
+        return " (torch >= 2.15 no longer installs cuRAND: pip install nvidia-curand)"
+    return ""
 
 
 def _torch_cudnn() -> str:

@@ -95,3 +95,23 @@ def test_doctor_torch_cudnn_refused(monkeypatch):
     assert _torch_cudnn().startswith("UNUSABLE by torch: cuDNN version incompatibility")
     monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 91900)
     assert _torch_cudnn() == "91900"
+
+
+def test_doctor_names_the_curand_way_out(monkeypatch):
+    """TE's import failing for want of cuRAND (torch 2.15 no longer installs it) is reported with
+    the package that fixes it; other failures are reported as they are."""
+    import importlib
+
+    from te_compile.tools import doctor
+
+    real = importlib.import_module
+
+    def no_curand(name, *args):
+        if name == "transformer_engine.pytorch":
+            raise RuntimeError("curand shared object not found.")
+        return real(name, *args)
+
+    monkeypatch.setattr(doctor.importlib, "import_module", no_curand)
+    report = te_compile.doctor()
+    assert "import TE" in report and "pip install nvidia-curand" in report
+    assert doctor._import_hint(RuntimeError("something else")) == ""
