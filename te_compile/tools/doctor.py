@@ -67,9 +67,10 @@ def _import_hint(error: Exception) -> str:
 
 
 def _torch_cudnn() -> str:
-    """torch's view of the cuDNN loaded in this process. On a lent H200 (session 38) TE had
-    loaded the venv's cuDNN 9.14 and torch, built against 9.19, refused it in
-    `torch.backends.cudnn.version()`: say so here rather than at a user's first cuDNN call."""
+    """torch's view of the cuDNN loaded in this process. TE's import loads a cuDNN, a system one
+    before the pip package's; on a lent H200 (session 38) that was 9.14 and torch, built against
+    9.19, then refused it in `torch.backends.cudnn.version()`: say so here rather than at a
+    user's first torch cuDNN call."""
     import torch
 
     try:
