@@ -62,7 +62,7 @@ def _import_hint(error: Exception) -> str:
     """The way out of an import failure seen before: torch 2.15 stopped installing cuRAND, which
     TE 2.20 loads at import (docs/install.md)."""
     if "curand shared object not found" in str(error):
-        return " (torch >= 2.15 no longer installs cuRAND: pip install nvidia-curand)"
+        return " (torch 2.15 does not install cuRAND: pip install nvidia-curand)"
     return ""
 
 
