@@ -51,9 +51,11 @@ _CALL = re.compile(r"\n    def call\(self, args\):|\ndef call\(args\):")
 _NUM_GB = re.compile(r"'kernel_name': '(\w+)'.*?'kernel_num_gb': ([0-9.e+-]+)")
 
 
-def count(
+def generated_sources(
     recipe_name: str, hidden: int, tokens: int, inductor: dict | None = None
-) -> list[tuple[int, int, float, collections.Counter]]:
+) -> list[str]:
+    """Inductor's generated code (wrapper and Triton kernels) of the step's forward and backward
+    graphs, in that order."""
     torch._dynamo.reset()
     rec = InductorRecorder("hopper")
     # benchmark_kernel: inductor writes each kernel's bytes read and written into its metadata
@@ -84,8 +86,14 @@ def count(
                 return layer(x)
 
         torch.compile(step, backend=rec.backend, fullgraph=True)(x).float().sum().backward()
+    return rec.sources
+
+
+def count(
+    recipe_name: str, hidden: int, tokens: int, inductor: dict | None = None
+) -> list[tuple[int, int, float, collections.Counter]]:
     rows = []
-    for source in rec.sources:
+    for source in generated_sources(recipe_name, hidden, tokens, inductor):
         num_gb = {name: float(gb) for name, gb in _NUM_GB.findall(source)}
         # the graph's own calls: the last `call`, after each kernel's benchmark harness
         body = source[[*_CALL.finditer(source)][-1].start() :]
