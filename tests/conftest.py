@@ -171,21 +171,25 @@ def recipe_instances() -> dict:
     }
 
 
-def example_models():
-    """examples/models.py as a module (the GPT and Llama-style models the tests train), loaded
-    once under one name."""
+def file_module(name: str, relative_path: str):
+    """The repository's file `relative_path` (not in a package: examples/, bench/) as a module,
+    loaded once under `name` (registered before it runs: dataclasses look their module up)."""
     import importlib.util
     import sys
     from pathlib import Path
 
-    name = "te_example_models"
     if name not in sys.modules:
-        path = Path(__file__).resolve().parents[1] / "examples" / "models.py"
+        path = Path(__file__).resolve().parents[1] / relative_path
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def example_models():
+    """examples/models.py as a module (the GPT and Llama-style models the tests train)."""
+    return file_module("te_example_models", "examples/models.py")
 
 
 def recipe_for(name: str):

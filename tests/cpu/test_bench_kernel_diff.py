@@ -3,10 +3,7 @@ modules written here (two kernels, one renamed, one changed)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from conftest import file_module
 
 _MODULE = (
     """
@@ -28,10 +25,7 @@ def triton_red_fused_amax_{m}(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
 
 
 def _kernel_diff():
-    spec = importlib.util.spec_from_file_location("kernel_diff", ROOT / "bench" / "kernel_diff.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return file_module("kernel_diff", "bench/kernel_diff.py")
 
 
 def test_names_do_not_count_text_does(tmp_path, capsys):

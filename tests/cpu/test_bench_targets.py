@@ -3,21 +3,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from conftest import file_module
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNS = ROOT / "docs" / "perf" / "session34"
 
 
 def _targets():
-    spec = importlib.util.spec_from_file_location("targets", ROOT / "bench" / "targets.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["targets"] = module  # (dataclasses look their module up there)
-    spec.loader.exec_module(module)
-    return module
+    return file_module("targets", "bench/targets.py")
 
 
 def _rows(text: str) -> dict[str, list[str]]:
