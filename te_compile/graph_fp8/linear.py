@@ -90,25 +90,28 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
     return ""
 
 
-def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True):
+def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True, amax=None):
     """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
     the quantizer of `role` (an index into ROLES). `stored`: as quantize_delayed's (False: `t`
-    needs no re-rounding)."""
+    needs no re-rounding). `amax`: t's, if already taken (quantize.amaxes)."""
     return quantize.quantize_current(
-        t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role], stored
+        t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role], stored, amax
     )
 
 
-def quantize_weight(w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = None, gemm=0):
+def quantize_weight(
+    w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = None, gemm=0, amax=None, rows=False
+):
     """A GEMM weight's (FP8 data, scale_inv), and its amax with DelayedScaling `scales`. Its
     values are loads of a bfloat16 parameter (or a concatenation of them), so the re-rounding
     quantize_stored and quantize_delayed give a fused producer's value is the identity here;
     without it inductor's passes over the weight do no integer work (H200, [8192, 2048]:
-    28 against 38 us for current scaling's amax and cast)."""
+    28 against 38 us for current scaling's amax and cast). `amax`: current scaling's, if
+    already taken; `rows`: as quantize_delayed's."""
     role = ROLES.index("weight")
     if scales is None:
-        return quantize_stored(w, cfg, role, stored=False)
-    return quantize_delayed(w, scales, cfg, role, stored=False, gemm=gemm)
+        return quantize_stored(w, cfg, role, stored=False, amax=amax)
+    return quantize_delayed(w, scales, cfg, role, stored=False, gemm=gemm, rows=rows)
 
 
 # Transposed copies of at least this many elements go through TE's transpose kernel: at TE's
@@ -216,16 +219,18 @@ class _LinearFunction(torch.autograd.Function):
         cfg = call.cfg
         x2d = x.reshape(-1, x.shape[-1])
         if fwd_scale is None:
-            xq, x_si = quantize_stored(x2d, cfg, 0)
-            wq, w_si = quantize_weight(weight, cfg)
+            x_amax, w_amax = quantize.amaxes(x2d, weight)
+            xq, x_si = quantize_stored(x2d, cfg, 0, amax=x_amax)
+            wq, w_si = quantize_weight(weight, cfg, amax=w_amax)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             scales = Scales.of(fwd_scale)
             if value is None:
-                xq, x_si, x_amax = quantize_delayed(x2d, scales, cfg, 0)
+                xq, x_si, x_rows = quantize_delayed(x2d, scales, cfg, 0, rows=True)
             else:  # a fused producer's float32 value (graph_fp8/norm.py), cast as TE casts it
-                xq, x_si, x_amax = quantize_delayed(value, scales, cfg, 0, stored=False)
-            wq, w_si, w_amax = quantize_weight(weight, cfg, scales)
+                xq, x_si, x_rows = quantize_delayed(value, scales, cfg, 0, False, rows=True)
+            wq, w_si, w_rows = quantize_weight(weight, cfg, scales, rows=True)
+            x_amax, w_amax = quantize.maxima(x_rows, w_rows)
             slots = {delayed_slot("input"): x_amax, delayed_slot("weight"): w_amax}
             amaxes = in_slots(fwd_scale, slots)  # the output slot: none
         dgrad_runs = ctx.needs_input_grad[0]
@@ -295,15 +300,18 @@ class Scales(NamedTuple):
 SCALE_INV_ROW = 128  # float32 elements: 512 bytes
 
 
-def quantize_delayed(t, scales: Scales, cfg: QuantConfig, role: int, stored=True, gemm=0):
+def quantize_delayed(
+    t, scales: Scales, cfg: QuantConfig, role: int, stored=True, gemm=0, rows=False
+):
     """DelayedScaling's (FP8 data, scale_inv, amax) of `t` for `role` (an index into ROLES) of
     GEMM `gemm`, with the scale of TE's slot in `scales` (its direction's state), as
     quantize.quantize_delayed computes them. `stored`: the bf16 value `t` holds; else `t` is a
-    fused producer's float32 value, cast as TE casts it."""
+    fused producer's float32 value, cast as TE casts it. `rows`: the amax's row maxima
+    instead (quantize.maxima finishes a module's in one kernel)."""
     slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
     return quantize.quantize_delayed(
-        t, scales.scale[slot : slot + 1], cfg.dtypes[role], scales.inverse_of(slot)
+        t, scales.scale[slot : slot + 1], cfg.dtypes[role], scales.inverse_of(slot), rows
     )
 
 

@@ -93,8 +93,10 @@ def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
 
 def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales: linear.Scales, cfg: QuantConfig):
     """tex.gelu with a DelayedScaling quantizer: the float32 GELU cast with FC2's input scale,
-    its amax recorded."""
-    return linear.quantize_delayed(gelu(fc1_out.float()), scales, cfg, _INPUT, False, _FC2)
+    its amax's row maxima recorded."""
+    return linear.quantize_delayed(
+        gelu(fc1_out.float()), scales, cfg, _INPUT, False, _FC2, rows=True
+    )
 
 
 class _MLPFunction(torch.autograd.Function):
@@ -108,24 +110,28 @@ class _MLPFunction(torch.autograd.Function):
         cfg, dtype, acc = call.cfg, call.out_dtype, call.cfg.split_acc
         needs = ctx.needs_input_grad
         if fwd_scale is None:
-            xq, x_si = linear.quantize_stored(x, cfg, _INPUT)
-            w1q, w1_si = linear.quantize_weight(w1, cfg)
+            x_amax, w1_amax, w2_amax = quantize.amaxes(x, w1, w2)
+            xq, x_si = linear.quantize_stored(x, cfg, _INPUT, amax=x_amax)
+            w1q, w1_si = linear.quantize_weight(w1, cfg, amax=w1_amax)
             fc1_out, w1q = linear.fprop_and_weight_copy(
                 xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[0]
             )
             aq, a_si = _quantized_gelu(fc1_out, cfg)
-            w2q, w2_si = linear.quantize_weight(w2, cfg)
+            w2q, w2_si = linear.quantize_weight(w2, cfg, amax=w2_amax)
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             value, stored = (x, True) if x_value is None else (x_value, False)
             scales = linear.Scales.of(fwd_scale)
-            xq, x_si, x_amax = linear.quantize_delayed(value, scales, cfg, _INPUT, stored)
-            w1q, w1_si, w1_amax = linear.quantize_weight(w1, cfg, scales)
+            xq, x_si, x_rows = linear.quantize_delayed(
+                value, scales, cfg, _INPUT, stored, rows=True
+            )
+            w1q, w1_si, w1_rows = linear.quantize_weight(w1, cfg, scales, rows=True)
             fc1_out, w1q = linear.fprop_and_weight_copy(
                 xq, x_si, w1q, w1_si, dtype, acc[0], b1, needs[0]
             )
-            aq, a_si, a_amax = _quantized_gelu_delayed(fc1_out, scales, cfg)
-            w2q, w2_si, w2_amax = linear.quantize_weight(w2, cfg, scales, _FC2)
+            aq, a_si, a_rows = _quantized_gelu_delayed(fc1_out, scales, cfg)
+            w2q, w2_si, w2_rows = linear.quantize_weight(w2, cfg, scales, _FC2, rows=True)
+            x_amax, w1_amax, a_amax, w2_amax = quantize.maxima(x_rows, w1_rows, a_rows, w2_rows)
             slots = {  # (the GEMM output slots record nothing)
                 delayed_slot("input", _FC1): x_amax,
                 delayed_slot("weight", _FC1): w1_amax,

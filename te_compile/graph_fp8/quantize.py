@@ -54,11 +54,90 @@ def amax(x: torch.Tensor, by_rows: bool = False) -> torch.Tensor:
     same kernels, and torch 2.11's dynamo fails on the reshape's form inside the graph path's
     autograd.Function when the row count is dynamic (an AssertionError in its higher-order-op
     output handling)."""
+    if by_rows:
+        return row_maxima(x).amax().float().reshape(1)
     magnitude = x.abs()
     magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    if by_rows:
-        magnitude = magnitude.amax(dim=-1)
     return magnitude.amax().float().reshape(1)
+
+
+def row_maxima(x: torch.Tensor) -> torch.Tensor:
+    """max |x| over each row (the last dimension), NaNs skipped, as float32 [rows]."""
+    magnitude = x.abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    return magnitude.amax(dim=-1).float()
+
+
+# Inductor reduces up to this many elements to one value in a single kernel on Hopper (its
+# split heuristic's threshold, torch 2.11-2.15); amaxes() keeps its final reductions under it.
+_ONE_KERNEL_ROWS = 8192
+
+
+def _amax_group(tensors) -> tuple[list[int], int, int]:
+    """(the tensors amaxes() reads together, their row count, the row width): the width, a
+    multiple of the first tensor's last dimension by a power of two, that groups the most
+    tensors within _ONE_KERNEL_ROWS rows. Sizes only when static: a dynamic row count would
+    be guarded on."""
+    best: tuple[list[int], int, int] = ([], 0, 0)
+    last = tensors[0].shape[-1]
+    if not isinstance(last, int) or last == 0:
+        return best
+    sizes = [t.numel() if isinstance(t.numel(), int) else None for t in tensors]
+    for width in (last << k for k in range(5)):
+        group, total = [], 0
+        for i, n in enumerate(sizes):
+            if n is not None and n % width == 0 and total + n // width <= _ONE_KERNEL_ROWS:
+                group.append(i)
+                total += n // width
+        if len(group) > len(best[0]):
+            best = (group, total, width)
+    return best
+
+
+def amaxes(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """amax() of each tensor, from one pass over several: two kernels where each amax alone
+    is two (inductor splits a whole-tensor max into a partial and a final reduction), for
+    tensors available together, such as a GEMM's input and its weight (session 31's count:
+    8 of a TransformerLayer forward's 28 launches). Tensors of static size are read as rows
+    of one width (_amax_group; a maximum does not depend on the order) and reduced by row,
+    in one kernel; then each tensor's maximum over its own rows, masked: reductions over one
+    range, which inductor computes in one kernel. The rest get amax() of their own."""
+    group, _, width = _amax_group(tensors)
+    if len(group) < 2:
+        return [amax(t) for t in tensors]
+    rows = [tensors[i].reshape(-1, width).float() for i in group]
+    magnitude = torch.cat(rows).abs()
+    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    grouped = _segment_maxima(magnitude.amax(dim=-1), [r.shape[0] for r in rows])
+    return [grouped[group.index(i)] if i in group else amax(t) for i, t in enumerate(tensors)]
+
+
+def maxima(*row_maxima: torch.Tensor) -> list[torch.Tensor]:
+    """The maximum of each float32 vector of row maxima (amax(by_rows=True)'s first step) as
+    [1], in one kernel where the vectors' sizes are static and together within
+    _ONE_KERNEL_ROWS: DelayedScaling's amaxes of a module's forward, which only its history
+    merge reads."""
+    sizes = [v.shape[0] for v in row_maxima]
+    if (
+        len(sizes) < 2
+        or not all(isinstance(n, int) for n in sizes)
+        or sum(sizes) > _ONE_KERNEL_ROWS
+    ):
+        return [v.amax().float().reshape(1) for v in row_maxima]
+    return _segment_maxima(torch.cat(row_maxima), sizes)
+
+
+def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
+    """max of each consecutive segment of `values` (non-negative float32; lengths in order) as
+    [1]: masked reductions over one range, which inductor computes in one kernel (a max over
+    each segment's slice would be a kernel per segment)."""
+    index = torch.arange(values.shape[0], device=values.device)
+    out, start = [], 0
+    for n in lengths:
+        inside = (index >= start) & (index < start + n)
+        out.append(torch.where(inside, values, torch.zeros_like(values)).amax().float().reshape(1))
+        start += n
+    return out
 
 
 def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
@@ -96,14 +175,20 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
 
 
 def quantize_current(
-    x: torch.Tensor, fp8: str, epsilon: float, pow2: bool, stored: bool = False
+    x: torch.Tensor,
+    fp8: str,
+    epsilon: float,
+    pow2: bool,
+    stored: bool = False,
+    x_amax: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float8CurrentScaling: (FP8 data, scale_inv [1]) of x with a scale from x's own amax.
     `stored`: quantize stored_bf16(x), the value TE reads after the producer's store. Its amax
     is taken of x and rounded once: rounding to nearest is monotone and odd, so
     max |round(v)| = round(max |v|) (NaNs, zeroed first, are below any amax either way), and
-    the amax pass over the tensor does no per-element rounding."""
-    x_amax = amax(x)
+    the amax pass over the tensor does no per-element rounding. `x_amax`: amax(x), if already
+    taken (amaxes())."""
+    x_amax = amax(x) if x_amax is None else x_amax
     if stored:
         x_amax, x = stored_bf16(x_amax), stored_bf16(x)
     scale = scale_from_amax(x_amax, fp8, epsilon, pow2)
@@ -111,13 +196,18 @@ def quantize_current(
 
 
 def quantize_delayed(
-    x: torch.Tensor, scale: torch.Tensor, fp8: str, scale_inv: torch.Tensor | None = None
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    fp8: str,
+    scale_inv: torch.Tensor | None = None,
+    rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DelayedScaling: (FP8 data, scale_inv [1], amax [1]) of x with a given scale [1]; the
     amax is x's, recorded for the history as TE's cast kernel records it. `scale_inv`: the
-    scale's reciprocal, if already taken (graph_fp8.linear.Scales)."""
+    scale's reciprocal, if already taken (graph_fp8.linear.Scales). `rows`: the amax's row
+    maxima instead (row_maxima; maxima() finishes several in one kernel)."""
     scale_inv = reciprocal(scale) if scale_inv is None else scale_inv
-    return cast(x, scale, fp8), scale_inv, amax(x, by_rows=True)
+    return cast(x, scale, fp8), scale_inv, row_maxima(x) if rows else amax(x, by_rows=True)
 
 
 def stored_bf16(t: torch.Tensor) -> torch.Tensor:

@@ -90,6 +90,62 @@ def test_amax_skips_nan_and_cast_saturates():
     assert torch.isnan(data[1]) and str(data[6].item()) == "-0.0"
 
 
+def _amax_cases() -> list[list[torch.Tensor]]:
+    """Groups as the graph path hands them to quantize.amaxes: an input and weights of other
+    shapes, with NaNs, infinities, denormals, -0 and all-zero tensors, a tensor whose size is
+    not a multiple of the row width, and a group too large for one final kernel."""
+    torch.manual_seed(0)
+    x = torch.randn(48, 64) * 10.0 ** torch.randint(-40, 38, (48, 64))
+    w1 = torch.randn(128, 64)
+    w2 = torch.randn(64, 128)
+    specials = w1.clone()
+    specials[3, 5], specials[100, 0] = float("nan"), -float("inf")
+    tiny = torch.full((32, 64), 1e-40)
+    tiny[7, 7] = -1.4e-45
+    nan_only = torch.full((16, 64), float("nan"))
+    zeros = -torch.zeros(64, 64)
+    odd = torch.randn(3, 7) * 1e3  # 21 elements: read apart
+    big = torch.randn(8192, 64)  # over the final kernel's row limit with the others
+    return [
+        [x, w1],
+        [x, w1, w2],
+        [x.bfloat16(), specials.bfloat16(), tiny.bfloat16()],
+        [nan_only, zeros, w2],
+        [x, odd, w1],
+        [x, w1, big, w2],
+        [x[:, :16], w1],
+    ]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_amaxes_equal_each_amax(compiled):
+    """quantize.amaxes reads several tensors in one pass: each result equals amax() of that
+    tensor alone, bit for bit (inf, NaN skipped, 0 for all-NaN and all-zero tensors)."""
+    fn = quantize.amaxes
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    for tensors in _amax_cases():
+        got = fn(*tensors)
+        assert len(got) == len(tensors)
+        for t, a in zip(tensors, got, strict=True):
+            want = quantize.amax(t)
+            assert a.dtype == torch.float32 and a.shape == (1,)
+            assert torch.equal(a.view(torch.int32), want.view(torch.int32)), (t.shape, a, want)
+
+
+def test_amaxes_group_within_one_kernel_range():
+    """Which tensors are read together: static sizes that are multiples of a row width, up to
+    the rows one final kernel reduces; the widest power-of-two multiple is taken when it
+    groups more (an MLP's input and both weights: 8704 rows of 1024, 4352 of 2048)."""
+    group = quantize._amax_group
+    x, w1, w2 = torch.empty(512, 1024), torch.empty(4096, 1024), torch.empty(1024, 4096)
+    assert group([x, w1]) == ([0, 1], 4608, 1024)
+    assert group([x, w1, w2]) == ([0, 1, 2], 4352, 2048)
+    assert group([x, torch.empty(3, 7)])[0] == [0]
+    assert group([torch.empty(0, 0), w1]) == ([], 0, 0)
+
+
 def test_stored_rounds_float32_as_a_bfloat16_store():
     from te_compile.graph_fp8.quantize import stored_bf16 as _stored
 
