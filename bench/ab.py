@@ -7,8 +7,13 @@ the lent hosts' drift does not swamp.
         [--shape 1024x512x4x1] [--mode compile] [--head-dim 64] [--rounds 12] [--steps 5]
         [--json PATH]
 
-A variant is STACK[/RECIPE][@INDUCTOR], the stack and recipe as bench/suite.py names them and
-INDUCTOR as its `--inductor` (options joined by commas). Why: separate processes or calls of
+A variant is STACK[/RECIPE][@INDUCTOR][%SETTINGS], the stack and recipe as bench/suite.py
+names them, INDUCTOR as its `--inductor` (options joined by commas) and SETTINGS te_compile's,
+`NAME=VALUE` joined by commas and set around each of the variant's steps: a plain name is a
+`te_compile.configure` option (`%graph_fp8=False`), a dotted one a module attribute
+(`%te_compile.graph_fp8.quantize._ONE_KERNEL_ROWS=0`: the graph path's amaxes one by one, as
+before session 39). Both are read when dynamo traces, which guards on them, so each setting
+gets a compiled entry of its own and the variants switch between entries without compiling. Why: separate processes or calls of
 the same step differ by up to 1.3x on a lent host at the CPU-bound shapes (session 36:
 13.4 and 16.8 ms for the same cell), more than the changes being measured. Here every variant
 is compiled first, then each round runs `--steps` steps of every variant, in an order rotated
@@ -28,6 +33,8 @@ other. A variant whose first call compiles nothing is refused for that reason; a
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib
 import json
 import os
 import statistics
@@ -45,12 +52,53 @@ DEVICE = "cuda"  # the inputs' (the stacks build on CUDA; tests/cpu/test_bench_a
 
 
 def parse_variant(text: str) -> tuple[str, str | None, str]:
-    """STACK[/RECIPE][@INDUCTOR] -> (stack, recipe or None, inductor spec)."""
-    head, _, inductor = text.partition("@")
+    """STACK[/RECIPE][@INDUCTOR][%SETTINGS] -> (stack, recipe or None, inductor spec)."""
+    head, _, inductor = text.partition("%")[0].partition("@")
     stack, _, recipe = head.partition("/")
     if suite.uses_te_recipes(stack) != bool(recipe):
         raise ValueError(f"{text}: a TE stack takes /RECIPE, any other stack none")
     return stack, recipe or None, inductor
+
+
+def parse_settings(text: str) -> dict[str, object]:
+    """A variant's SETTINGS (the text after `%`) -> {name: value}, values as Python literals."""
+    settings = {}
+    for item in filter(None, text.partition("%")[2].split(",")):
+        name, _, value = item.partition("=")
+        settings[name.strip()] = ast.literal_eval(value.strip())
+    return settings
+
+
+def _swap_settings(settings: dict[str, object]) -> dict[str, object]:
+    """Apply `settings`; returns the values they replaced (apply those to restore)."""
+    import te_compile
+
+    old = {}
+    for name, value in settings.items():
+        if "." in name:
+            module, _, attr = name.rpartition(".")
+            target = importlib.import_module(module)
+            old[name] = getattr(target, attr)
+            setattr(target, attr, value)
+        else:
+            old[name] = getattr(te_compile.options.current(), name)
+            te_compile.configure(**{name: value})
+    return old
+
+
+def with_settings(step, settings: dict[str, object]):
+    """`step` run with `settings` in force, the previous values restored after it."""
+    if not settings:
+        return step
+
+    def run():
+        old = _swap_settings(settings)
+        try:
+            return step()
+        finally:
+            _swap_settings(old)
+
+    return run
 
 
 def build_steps(variants: list[str], shape: str, mode: str) -> list:
@@ -62,7 +110,7 @@ def build_steps(variants: list[str], shape: str, mode: str) -> list:
     if len(te_recipes) > 1 or len({s for s, r, _ in parsed if r}) > 1:
         raise ValueError("the TE variants must share one stack and recipe (their options differ)")
     models, steps = {}, []
-    for stack, recipe_name, inductor in parsed:
+    for variant_text, (stack, recipe_name, inductor) in zip(variants, parsed, strict=True):
         key = (stack, recipe_name)
         if key not in models:
             torch.manual_seed(0)
@@ -82,7 +130,7 @@ def build_steps(variants: list[str], shape: str, mode: str) -> list:
         # wrapper variant's own (session 37: it had reused the first variant's, 0.0 s to compile).
         suite.INDUCTOR["spec"] = ",".join(items + ["trace.enabled=0"] * cpp)
         step = suite.make_train_step(model, recipe_name, recipe, mode, x, grad)
-        steps.append((step, cpp))
+        steps.append((with_settings(step, parse_settings(variant_text)), cpp))
     return steps
 
 
@@ -185,7 +233,9 @@ def selftest() -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", action="append", default=[], help="STACK[/RECIPE][@INDUCTOR]")
+    p.add_argument(
+        "--variant", action="append", default=[], help="STACK[/RECIPE][@INDUCTOR][%%SETTINGS]"
+    )
     p.add_argument("--shape", default="1024x512x4x1", help="as bench/suite.py's --shapes")
     p.add_argument("--mode", choices=suite.COMPILED, default="compile")
     p.add_argument("--head-dim", type=int, default=64)

@@ -148,13 +148,16 @@ case "${PART:-all}" in
   # until session 37, gave no step-time gain in sessions 36 and 37. RECIPE=current and
   # SHAPE=1024x512x4x1 by default; session 37 on an H200, five variants: 2.5 minutes for
   # current scaling with --rounds 10 (caches warm), 4 for DelayedScaling with 12.
+  # AB_VARIANTS="A B ..." replaces the variants (bench/ab.py's syntax), e.g. session 39's
+  # grouped amaxes against one by one: "te-transformer/current
+  # te-transformer/current%te_compile.graph_fp8.quantize._ONE_KERNEL_ROWS=0".
   ab)
     r=${RECIPE:-current}
-    "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode compile --head-dim 64 \
-      --variant te-transformer/$r --variant te-transformer/$r@combo_kernels=1 \
-      --variant te-transformer/$r@size_asserts=0 \
-      --variant te-transformer/$r@cpp_wrapper=1 --variant torchao-transformer \
-      --variant torchao-transformer@cpp_wrapper=1 --json "$out/ab-$r.json" "$@" 2>&1 |
+    variants=(te-transformer/$r te-transformer/$r@combo_kernels=1 te-transformer/$r@size_asserts=0
+              te-transformer/$r@cpp_wrapper=1 torchao-transformer torchao-transformer@cpp_wrapper=1)
+    [ -n "${AB_VARIANTS:-}" ] && read -ra variants <<<"$AB_VARIANTS"
+    "$py" bench/ab.py --shape "${SHAPE:-1024x512x4x1}" --mode "${MODE:-compile}" --head-dim 64 \
+      "${variants[@]/#/--variant=}" --json "$out/ab-$r.json" "$@" 2>&1 |
       tee "$out/ab-$r.log"
     exit "${PIPESTATUS[0]}" ;;
   diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"

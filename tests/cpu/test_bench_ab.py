@@ -155,3 +155,50 @@ def test_the_cpp_wrapper_variant_compiles_its_own_code(ab, monkeypatch):
     before = counters["stats"]["unique_graphs"]
     ab.first_calls(steps, warmup=0)
     assert counters["stats"]["unique_graphs"] - before == 2  # one dynamo graph per variant
+
+
+def test_settings_syntax_and_restore(ab):
+    """`%NAME=VALUE,...`: te_compile.configure options by plain name, module attributes by
+    dotted name, each set for the variant's step and restored after it."""
+    import te_compile
+    from te_compile.graph_fp8 import quantize
+
+    text = "te-transformer/current@combo_kernels=1%graph_fp8=False,te_compile.graph_fp8.quantize._ONE_KERNEL_ROWS=0"
+    assert ab.parse_variant(text) == ("te-transformer", "current", "combo_kernels=1")
+    settings = ab.parse_settings(text)
+    assert settings == {"graph_fp8": False, "te_compile.graph_fp8.quantize._ONE_KERNEL_ROWS": 0}
+    assert ab.parse_settings("torch-transformer") == {}
+    seen = []
+    step = ab.with_settings(
+        lambda: seen.append((te_compile.options.current().graph_fp8, quantize._ONE_KERNEL_ROWS)),
+        settings,
+    )
+    before = (te_compile.options.current().graph_fp8, quantize._ONE_KERNEL_ROWS)
+    step()
+    assert seen == [(False, 0)]
+    assert (te_compile.options.current().graph_fp8, quantize._ONE_KERNEL_ROWS) == before
+
+
+def test_amax_grouping_setting_gets_its_own_compiled_entry(ab):
+    """What the grouped-amax A/B relies on: dynamo guards on quantize._ONE_KERNEL_ROWS, so the
+    two settings compile once each, then alternate without compiling, with equal values."""
+    from torch._dynamo.utils import counters
+
+    from te_compile.graph_fp8 import quantize
+
+    torch._dynamo.reset()
+    x, w = torch.randn(32, 64), torch.randn(128, 64) * 3
+
+    @torch.compile(fullgraph=True)
+    def step():
+        return torch.cat(quantize.amaxes(x, w))
+
+    one_by_one = ab.with_settings(step, {"te_compile.graph_fp8.quantize._ONE_KERNEL_ROWS": 0})
+    before = counters["stats"]["unique_graphs"]
+    grouped_out, single_out = step(), one_by_one()
+    assert counters["stats"]["unique_graphs"] - before == 2
+    for _ in range(2):
+        assert torch.equal(step(), grouped_out) and torch.equal(one_by_one(), single_out)
+    assert counters["stats"]["unique_graphs"] - before == 2
+    assert torch.equal(grouped_out, single_out)
+    assert torch.equal(grouped_out, torch.stack([x.abs().max(), w.abs().max()]))
