@@ -55,17 +55,19 @@ def amax(x: torch.Tensor, by_rows: bool = False) -> torch.Tensor:
     autograd.Function when the row count is dynamic (an AssertionError in its higher-order-op
     output handling)."""
     if by_rows:
-        return row_maxima(x).amax().float().reshape(1)
-    magnitude = x.abs()
-    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    return magnitude.amax().float().reshape(1)
+        return row_maxima(x).amax().reshape(1)
+    return _magnitude(x).amax().float().reshape(1)
 
 
 def row_maxima(x: torch.Tensor) -> torch.Tensor:
     """max |x| over each row (the last dimension), NaNs skipped, as float32 [rows]."""
+    return _magnitude(x).amax(dim=-1).float()
+
+
+def _magnitude(x: torch.Tensor) -> torch.Tensor:
+    """|x| with NaNs as 0: TE's `fmaxf` from 0 skips them, `torch.amax` would propagate them."""
     magnitude = x.abs()
-    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    return magnitude.amax(dim=-1).float()
+    return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
 
 
 # Inductor reduces up to this many elements to one value in a single kernel on Hopper (its
@@ -105,26 +107,20 @@ def amaxes(*tensors: torch.Tensor) -> list[torch.Tensor]:
     group, _, width = _amax_group(tensors)
     if len(group) < 2:
         return [amax(t) for t in tensors]
-    rows = [tensors[i].reshape(-1, width).float() for i in group]
-    magnitude = torch.cat(rows).abs()
-    magnitude = torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
-    grouped = _segment_maxima(magnitude.amax(dim=-1), [r.shape[0] for r in rows])
+    rows = [tensors[i].reshape(-1, width) for i in group]
+    grouped = _segment_maxima(row_maxima(torch.cat(rows)), [r.shape[0] for r in rows])
     return [grouped[group.index(i)] if i in group else amax(t) for i, t in enumerate(tensors)]
 
 
-def maxima(*row_maxima: torch.Tensor) -> list[torch.Tensor]:
-    """The maximum of each float32 vector of row maxima (amax(by_rows=True)'s first step) as
+def maxima(*vectors: torch.Tensor) -> list[torch.Tensor]:
+    """The maximum of each float32 vector of row maxima (row_maxima's) as
     [1], in one kernel where the vectors' sizes are static and together within
     _ONE_KERNEL_ROWS: DelayedScaling's amaxes of a module's forward, which only its history
     merge reads."""
-    sizes = [v.shape[0] for v in row_maxima]
-    if (
-        len(sizes) < 2
-        or not all(isinstance(n, int) for n in sizes)
-        or sum(sizes) > _ONE_KERNEL_ROWS
-    ):
-        return [v.amax().float().reshape(1) for v in row_maxima]
-    return _segment_maxima(torch.cat(row_maxima), sizes)
+    sizes = [v.shape[0] for v in vectors]
+    if all(isinstance(n, int) for n in sizes) and 1 < len(sizes) and sum(sizes) <= _ONE_KERNEL_ROWS:
+        return _segment_maxima(torch.cat(vectors), sizes)
+    return [v.amax().reshape(1) for v in vectors]
 
 
 def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:
@@ -135,7 +131,7 @@ def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tens
     out, start = [], 0
     for n in lengths:
         inside = (index >= start) & (index < start + n)
-        out.append(torch.where(inside, values, torch.zeros_like(values)).amax().float().reshape(1))
+        out.append(torch.where(inside, values, torch.zeros_like(values)).amax().reshape(1))
         start += n
     return out
 
