@@ -29,6 +29,8 @@ from te_compile_testing import graph_fp8
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-machine behaviour")
 
 _SHAPE = re.compile(r"assert_size_stride\((primals_\d+), \(([\d, ]+)\)")
+# torch 2.14's form for several inputs: names, then their shapes, in one call
+_SHAPES = re.compile(r"assert_size_stride_grouped\(\(([\w, ]+)\), \(((?:\([\d, ]+\),? ?)+)\)")
 _LAUNCH = re.compile(r"(triton_\w+)\.run\((.*)\)")
 _KERNEL = re.compile(r"\n(triton_\w+) = async_compile\.triton\('\w+', '''(.*?)'''", re.S)
 
@@ -41,9 +43,14 @@ def rounds_to_bf16(source: str, kernel: str) -> bool:
 def kernels_reading(source: str) -> dict[tuple[int, ...], list[str]]:
     """The Triton kernels each graph input of the forward is passed to, by the input's shape."""
     body = source[source.index("    def call(self, args):") :]
+    found = _SHAPE.findall(body)
+    for names, dims in _SHAPES.findall(body):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+        found += zip(names, re.findall(r"\(([\d, ]+)\)", dims), strict=True)
     shapes = {
         name: tuple(int(d) for d in dims.split(",") if d.strip())
-        for name, dims in _SHAPE.findall(body)
+        for name, dims in found
+        if name.startswith("primals_")
     }
     reads: dict[tuple[int, ...], list[str]] = {shape: [] for shape in shapes.values()}
     for kernel, args in _LAUNCH.findall(body):
