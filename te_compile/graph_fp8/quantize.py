@@ -113,14 +113,33 @@ def amaxes(*tensors: torch.Tensor) -> list[torch.Tensor]:
 
 
 def maxima(*vectors: torch.Tensor) -> list[torch.Tensor]:
-    """The maximum of each float32 vector of row maxima (row_maxima's) as
-    [1], in one kernel where the vectors' sizes are static and together within
-    _ONE_KERNEL_ROWS: DelayedScaling's amaxes of a module's forward, which only its history
-    merge reads."""
-    sizes = [v.shape[0] for v in vectors]
-    if all(isinstance(n, int) for n in sizes) and 1 < len(sizes) and sum(sizes) <= _ONE_KERNEL_ROWS:
-        return _segment_maxima(torch.cat(vectors), sizes)
-    return [v.amax().reshape(1) for v in vectors]
+    """The maximum of each float32 vector of row maxima (row_maxima's) as [1]: DelayedScaling's
+    amaxes of a module's forward, which only its history merge reads. Vectors of static size
+    are finished together, first fit into groups of at most _ONE_KERNEL_ROWS rows, one kernel
+    per group; a vector of dynamic size alone."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for i, v in enumerate(vectors):
+        n = v.shape[0]
+        static = isinstance(n, int)  # (a dynamic size compared would be guarded on)
+        fit = [k for k, total in enumerate(totals) if static and total + n <= _ONE_KERNEL_ROWS]
+        if fit:
+            groups[fit[0]].append(i)
+            totals[fit[0]] += n
+        else:
+            groups.append([i])
+            totals.append(n if static else _ONE_KERNEL_ROWS + 1)
+    out: list[torch.Tensor | None] = [None] * len(vectors)
+    for g in groups:
+        if len(g) == 1:
+            out[g[0]] = vectors[g[0]].amax().reshape(1)
+            continue
+        found = _segment_maxima(
+            torch.cat([vectors[i] for i in g]), [vectors[i].shape[0] for i in g]
+        )
+        for k, i in enumerate(g):
+            out[i] = found[k]
+    return out
 
 
 def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tensor]:

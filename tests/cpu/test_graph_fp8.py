@@ -134,6 +134,28 @@ def test_amaxes_equal_each_amax(compiled):
             assert torch.equal(a.view(torch.int32), want.view(torch.int32)), (t.shape, a, want)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "inductor"])
+def test_maxima_equal_each_vectors_max(compiled):
+    """quantize.maxima finishes DelayedScaling's row maxima in groups (first fit within the
+    row limit: here the 6000, 300 and 100 together, the 5000 and 2000 together): each result
+    is its vector's own maximum, bit for bit."""
+    torch.manual_seed(0)
+    vectors = [
+        torch.rand(6000) * 1e3,
+        torch.rand(5000) * 1e-38,  # denormals
+        torch.tensor([0.0, float("inf"), 3.0] * 100),
+        torch.zeros(2000),
+        torch.rand(100),
+    ]
+    fn = quantize.maxima
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, fullgraph=True)
+    got = fn(*vectors)
+    for v, m in zip(vectors, got, strict=True):
+        assert m.shape == (1,) and torch.equal(m, v.max().reshape(1)), (v.shape, m)
+
+
 def test_amaxes_group_within_one_kernel_range():
     """Which tensors are read together: static sizes that are multiples of a row width, up to
     the rows one final kernel reduces; the widest power-of-two multiple is taken when it
