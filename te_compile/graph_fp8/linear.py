@@ -91,9 +91,9 @@ def applies(cfg: QuantConfig, inp: torch.Tensor, weight: torch.Tensor, dtype) ->
 
 
 def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True, amax=None):
-    """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with
-    the quantizer of `role` (an index into ROLES). `stored`: as quantize_delayed's (False: `t`
-    needs no re-rounding). `amax`: t's, if already taken (quantize.amaxes)."""
+    """Float8CurrentScaling's (FP8 data, scale_inv) of the bfloat16 tensor `t` as stored, with the
+    quantizer of `role` (an index into ROLES); `stored` as quantize_delayed's; `amax`: t's, if
+    already taken (quantize.amaxes)."""
     return quantize.quantize_current(
         t, cfg.dtypes[role], cfg.amax_eps[role], cfg.pow2[role], stored, amax
     )
@@ -102,12 +102,11 @@ def quantize_stored(t: torch.Tensor, cfg: QuantConfig, role: int, stored=True, a
 def quantize_weight(
     w: torch.Tensor, cfg: QuantConfig, scales: Scales | None = None, gemm=0, amax=None, rows=False
 ):
-    """A GEMM weight's (FP8 data, scale_inv), and its amax with DelayedScaling `scales`. Its
-    values are loads of a bfloat16 parameter (or a concatenation of them), so the re-rounding
-    quantize_stored and quantize_delayed give a fused producer's value is the identity here;
-    without it inductor's passes over the weight do no integer work (H200, [8192, 2048]:
-    28 against 38 us for current scaling's amax and cast). `amax`: current scaling's, if
-    already taken; `rows`: as quantize_delayed's."""
+    """A GEMM weight's (FP8 data, scale_inv), and its amax with DelayedScaling `scales` (`amax`,
+    `rows`: as quantize_stored's and quantize_delayed's). Its values are loads of a bfloat16
+    parameter (or a concatenation of them), so the re-rounding of a fused producer's value is
+    the identity here; without it inductor's passes over the weight do no integer work (H200,
+    [8192, 2048]: 28 against 38 us for current scaling's amax and cast)."""
     role = ROLES.index("weight")
     if scales is None:
         return quantize_stored(w, cfg, role, stored=False, amax=amax)
@@ -303,11 +302,10 @@ SCALE_INV_ROW = 128  # float32 elements: 512 bytes
 def quantize_delayed(
     t, scales: Scales, cfg: QuantConfig, role: int, stored=True, gemm=0, rows=False
 ):
-    """DelayedScaling's (FP8 data, scale_inv, amax) of `t` for `role` (an index into ROLES) of
-    GEMM `gemm`, with the scale of TE's slot in `scales` (its direction's state), as
-    quantize.quantize_delayed computes them. `stored`: the bf16 value `t` holds; else `t` is a
-    fused producer's float32 value, cast as TE casts it. `rows`: the amax's row maxima
-    instead (quantize.maxima finishes a module's in one kernel)."""
+    """DelayedScaling's (FP8 data, scale_inv, amax, or with `rows` its row maxima) of `t` for
+    `role` (an index into ROLES) of GEMM `gemm`, with the scale of TE's slot in `scales`, as
+    quantize.quantize_delayed computes them. `stored`: the bf16 value `t` holds; else a fused
+    producer's float32 value, cast as TE casts it."""
     slot = delayed_slot(ROLES[role], gemm)
     t = quantize.stored_bf16(t) if stored else t
     return quantize.quantize_delayed(
