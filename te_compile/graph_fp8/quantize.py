@@ -50,17 +50,17 @@ def amax(x: torch.Tensor, by_rows: bool = False) -> torch.Tensor:
     (bench/amax_variants.py, session 26). `by_rows`: over each row, then over the rows, for
     DelayedScaling, whose cast reads the same rows and takes the amax in the same pass (as TE's
     DelayedScaling cast records it; H200, [2048, 8192] bf16: 20 against 50 us for the split
-    whole-tensor reduction beside the cast). `amax(dim=-1)` rather than a reshape to rows: the
-    same kernels, and torch 2.11's dynamo fails on the reshape's form inside the graph path's
-    autograd.Function when the row count is dynamic (an AssertionError in its higher-order-op
-    output handling)."""
+    whole-tensor reduction beside the cast)."""
     if by_rows:
         return row_maxima(x).amax().reshape(1)
     return _magnitude(x).amax().float().reshape(1)
 
 
 def row_maxima(x: torch.Tensor) -> torch.Tensor:
-    """max |x| over each row (the last dimension), NaNs skipped, as float32 [rows]."""
+    """max |x| over each row (the last dimension), NaNs skipped, as float32 [rows].
+    `amax(dim=-1)` rather than a reshape to rows: the same kernels, and torch 2.11's dynamo
+    fails on the reshape's form inside the graph path's autograd.Function when the row count
+    is dynamic (an AssertionError in its higher-order-op output handling)."""
     return _magnitude(x).amax(dim=-1).float()
 
 
@@ -75,24 +75,40 @@ def _magnitude(x: torch.Tensor) -> torch.Tensor:
 _ONE_KERNEL_ROWS = 8192
 
 
-def _amax_group(tensors) -> tuple[list[int], int, int]:
-    """(the tensors amaxes() reads together, their row count, the row width): the width, a
-    multiple of the first tensor's last dimension by a power of two, that groups the most
-    tensors within _ONE_KERNEL_ROWS rows. Sizes only when static: a dynamic row count would
-    be guarded on."""
-    best: tuple[list[int], int, int] = ([], 0, 0)
-    last = tensors[0].shape[-1]
-    if not isinstance(last, int) or last == 0:
-        return best
-    sizes = [t.numel() if isinstance(t.numel(), int) else None for t in tensors]
-    for width in (last << k for k in range(5)):
-        group, total = [], 0
-        for i, n in enumerate(sizes):
-            if n is not None and n % width == 0 and total + n // width <= _ONE_KERNEL_ROWS:
-                group.append(i)
-                total += n // width
-        if len(group) > len(best[0]):
-            best = (group, total, width)
+def _first_fit(sizes: list[int | None]) -> list[list[int]]:
+    """Indices grouped first fit, each group's sizes summing to at most _ONE_KERNEL_ROWS; a
+    size of None (dynamic: compared, it would be guarded on) in a group of its own."""
+    groups: list[list[int]] = []
+    totals: list[int] = []
+    for i, n in enumerate(sizes):
+        fit = [
+            k for k, total in enumerate(totals) if n is not None and total + n <= _ONE_KERNEL_ROWS
+        ]
+        if fit:
+            groups[fit[0]].append(i)
+            totals[fit[0]] += n
+        else:
+            groups.append([i])
+            totals.append(_ONE_KERNEL_ROWS + 1 if n is None else n)
+    return groups
+
+
+def _static(n) -> int | None:
+    return n if isinstance(n, int) else None
+
+
+def _amax_groups(tensors) -> tuple[list[list[int]], int]:
+    """(amaxes()'s groups, the row width): the width, the first tensor's last dimension times a
+    power of two, whose rows need the fewest groups (_first_fit); tensors of dynamic size, or
+    of no whole number of rows, alone."""
+    last = _static(tensors[0].shape[-1])
+    best: tuple[list[list[int]], int] = ([[i] for i in range(len(tensors))], 0)
+    sizes = [_static(t.numel()) for t in tensors]
+    for width in [last << k for k in range(5)] if last else []:
+        rows = [n // width if n is not None and n % width == 0 else None for n in sizes]
+        groups = _first_fit(rows)
+        if len(groups) < len(best[0]):
+            best = (groups, width)
     return best
 
 
@@ -101,44 +117,37 @@ def amaxes(*tensors: torch.Tensor) -> list[torch.Tensor]:
     is two (inductor splits a whole-tensor max into a partial and a final reduction), for
     tensors available together, such as a GEMM's input and its weight (session 31's count:
     8 of a TransformerLayer forward's 28 launches). Tensors of static size are read as rows
-    of one width (_amax_group; a maximum does not depend on the order) and reduced by row,
-    in one kernel; then each tensor's maximum over its own rows, masked: reductions over one
-    range, which inductor computes in one kernel. The rest get amax() of their own."""
-    group, _, width = _amax_group(tensors)
-    if len(group) < 2:
-        return [amax(t) for t in tensors]
-    rows = [tensors[i].reshape(-1, width) for i in group]
-    grouped = _segment_maxima(row_maxima(torch.cat(rows)), [r.shape[0] for r in rows])
-    return [grouped[group.index(i)] if i in group else amax(t) for i, t in enumerate(tensors)]
+    of one width (a maximum does not depend on the order), reduced by row in one kernel, then
+    each tensor's maximum over its own rows, masked: reductions over one range, which
+    inductor computes in one kernel (_amax_groups says which tensors and the width). A tensor
+    alone in its group gets amax() of its own."""
+    groups, width = _amax_groups(tensors)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for group in groups:
+        if len(group) == 1:
+            out[group[0]] = amax(tensors[group[0]])
+            continue
+        parts = [tensors[i].reshape(-1, width) for i in group]
+        found = _segment_maxima(row_maxima(torch.cat(parts)), [p.shape[0] for p in parts])
+        for i, value in zip(group, found, strict=True):
+            out[i] = value
+    return out
 
 
 def maxima(*vectors: torch.Tensor) -> list[torch.Tensor]:
     """The maximum of each float32 vector of row maxima (row_maxima's) as [1]: DelayedScaling's
-    amaxes of a module's forward, which only its history merge reads. Vectors of static size
-    are finished together, first fit into groups of at most _ONE_KERNEL_ROWS rows, one kernel
-    per group; a vector of dynamic size alone."""
-    groups: list[list[int]] = []
-    totals: list[int] = []
-    for i, v in enumerate(vectors):
-        n = v.shape[0]
-        static = isinstance(n, int)  # (a dynamic size compared would be guarded on)
-        fit = [k for k, total in enumerate(totals) if static and total + n <= _ONE_KERNEL_ROWS]
-        if fit:
-            groups[fit[0]].append(i)
-            totals[fit[0]] += n
-        else:
-            groups.append([i])
-            totals.append(n if static else _ONE_KERNEL_ROWS + 1)
+    amaxes of a module's forward, which only its history merge reads. Vectors are finished
+    together in groups (_first_fit), one kernel per group."""
     out: list[torch.Tensor | None] = [None] * len(vectors)
-    for g in groups:
-        if len(g) == 1:
-            out[g[0]] = vectors[g[0]].amax().reshape(1)
+    for group in _first_fit([_static(v.shape[0]) for v in vectors]):
+        if len(group) == 1:
+            out[group[0]] = vectors[group[0]].amax().reshape(1)
             continue
         found = _segment_maxima(
-            torch.cat([vectors[i] for i in g]), [vectors[i].shape[0] for i in g]
+            torch.cat([vectors[i] for i in group]), [vectors[i].shape[0] for i in group]
         )
-        for k, i in enumerate(g):
-            out[i] = found[k]
+        for i, value in zip(group, found, strict=True):
+            out[i] = value
     return out
 
 

@@ -158,14 +158,25 @@ def test_maxima_equal_each_vectors_max(compiled):
 
 def test_amaxes_group_within_one_kernel_range():
     """Which tensors are read together: static sizes that are multiples of a row width, up to
-    the rows one final kernel reduces; the widest power-of-two multiple is taken when it
-    groups more (an MLP's input and both weights: 8704 rows of 1024, 4352 of 2048)."""
-    group = quantize._amax_group
+    the rows one final kernel reduces; the width that needs the fewest groups (an MLP's input
+    and both weights: 8704 rows of 1024 need two, 4352 of 2048 one)."""
+    groups = quantize._amax_groups
     x, w1, w2 = torch.empty(512, 1024), torch.empty(4096, 1024), torch.empty(1024, 4096)
-    assert group([x, w1]) == ([0, 1], 4608, 1024)
-    assert group([x, w1, w2]) == ([0, 1, 2], 4352, 2048)
-    assert group([x, torch.empty(3, 7)])[0] == [0]
-    assert group([torch.empty(0, 0), w1]) == ([], 0, 0)
+    assert groups([x, w1]) == ([[0, 1]], 1024)
+    assert groups([x, w1, w2]) == ([[0, 1, 2]], 2048)
+    assert groups([x, torch.empty(3, 7)])[0] == [[0], [1]]
+    assert groups([torch.empty(0, 0), w1])[0] == [[0], [1]]
+    big = torch.empty(16 * 8192, 1024)  # over the limit at every width: alone
+    assert groups([x, big, w1]) == ([[0, 2], [1]], 1024)
+
+
+def test_first_fit_packs_within_the_limit():
+    """maxima()'s and amaxes()'s packing: first fit within _ONE_KERNEL_ROWS, dynamic sizes
+    (None) alone."""
+    fit, limit = quantize._first_fit, quantize._ONE_KERNEL_ROWS
+    assert fit([limit // 2, limit, limit // 2, 1]) == [[0, 2], [1], [3]]
+    assert fit([1, None, 1]) == [[0, 2], [1]]
+    assert fit([limit + 1, 1]) == [[0], [1]]
 
 
 def test_stored_rounds_float32_as_a_bfloat16_store():
