@@ -25,6 +25,11 @@ class Options:
     # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
     # Off by default: measured no faster (docs/performance.md, session 11).
     graph_weight_quantize: bool = False
+    # DelayedScaling's grad_output cast in a module with a bias on the graph path as graph
+    # operations, its bias gradient summed in the order of TE's fused cast kernel
+    # (graph_fp8/te_dbias.py) instead of a call into that kernel (one per biased module's
+    # backward). Off until checked against TE's kernel on a GPU (docs/graph_fp8.md).
+    graph_dbias: bool = False
 
 
 _current = Options()

@@ -48,7 +48,7 @@ import torch
 
 from ..kernels.fp8_operands import delayed_slot
 from ..recipes import QuantConfig
-from . import linear, quantize
+from . import delayed, linear, quantize
 
 ACTIVATIONS = ("gelu",)
 _INPUT, _WEIGHT, _GRAD = 0, 1, 2  # indices into recipes.ROLES
@@ -91,10 +91,10 @@ def _quantized_gelu(fc1_out: torch.Tensor, cfg: QuantConfig):
     return quantize.cast(quantize.stored_bf16(act), scale, fp8), quantize.reciprocal(scale)
 
 
-def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales: linear.Scales, cfg: QuantConfig):
+def _quantized_gelu_delayed(fc1_out: torch.Tensor, scales: delayed.Scales, cfg: QuantConfig):
     """tex.gelu with a DelayedScaling quantizer: the float32 GELU cast with FC2's input scale,
     its amax's row maxima recorded."""
-    return linear.quantize_delayed(
+    return delayed.quantize_delayed(
         gelu(fc1_out.float()), scales, cfg, _INPUT, False, _FC2, rows=True
     )
 
@@ -121,8 +121,8 @@ class _MLPFunction(torch.autograd.Function):
             amaxes = x.new_zeros(0, dtype=torch.float32)
         else:
             value, stored = (x, True) if x_value is None else (x_value, False)
-            scales = linear.Scales.of(fwd_scale)
-            xq, x_si, x_rows = linear.quantize_delayed(
+            scales = delayed.Scales.of(fwd_scale)
+            xq, x_si, x_rows = delayed.quantize_delayed(
                 value, scales, cfg, _INPUT, stored, rows=True
             )
             w1q, w1_si, w1_rows = linear.quantize_weight(w1, cfg, scales, rows=True)
@@ -138,7 +138,7 @@ class _MLPFunction(torch.autograd.Function):
                 delayed_slot("input", _FC2): a_amax,
                 delayed_slot("weight", _FC2): w2_amax,
             }
-            amaxes = linear.in_slots(fwd_scale, slots)
+            amaxes = delayed.in_slots(fwd_scale, slots)
         # FC2's dgrad runs whenever FC1's inputs need a gradient
         fc1_grads = needs[0] or needs[1] or needs[2]
         y, w2q = linear.fprop_and_weight_copy(aq, a_si, w2q, w2_si, dtype, acc[0], b2, fc1_grads)
@@ -160,13 +160,15 @@ class _MLPFunction(torch.autograd.Function):
             gq, g_si = linear.quantize_stored(dy, cfg, _GRAD)
             gq_t = None
         else:
-            scale = linear.scale_for_te_cast(cfg, bwd_scale, dy)
+            scale = delayed.scale_for_te_cast(cfg, bwd_scale, dy)
             if ctx.biases[1]:
-                db2, gq, gq_t, g_si, g2_amax = linear.delayed_grad_with_dbias(dy, scale, cfg, _FC2)
+                db2, gq, gq_t, g_si, g2_amax = delayed.delayed_grad_with_bias(
+                    dy, bwd_scale, cfg, _FC2, te_scale=scale
+                )
             else:
                 db2, gq_t = None, None
-                scales = linear.backward_scales(bwd_scale, dy)
-                gq, g_si, g2_amax = linear.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
+                scales = delayed.backward_scales(bwd_scale, dy)
+                gq, g_si, g2_amax = delayed.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
         fc2_dgrad, gq_t = linear.dgrad_and_grad_copy(
             gq, g_si, w2q, w2_si, dtype, acc[1], needs[3], gq_t
         )
@@ -177,7 +179,7 @@ class _MLPFunction(torch.autograd.Function):
             db1 = linear.bias_grad(dact) if ctx.biases[0] and needs[2] else None
             g1q, g1_si = linear.quantize_stored(dact, cfg, _GRAD)
         else:  # eager TE calls tex.dbias_dgelu with or without FC1's bias
-            db1, g1q, g1q_t, g1_si, g1_amax = linear.delayed_grad_with_dbias(
+            db1, g1q, g1q_t, g1_si, g1_amax = delayed.delayed_grad_with_dbias(
                 fc2_dgrad, scale, cfg, _FC1, act_input=fc1_out, act="gelu"
             )
         dx = None
@@ -187,7 +189,7 @@ class _MLPFunction(torch.autograd.Function):
             )
         dw1 = linear.wgrad(g1q, g1_si, xq, x_si, dtype, acc[2], g1q_t) if needs[1] else None
         if bwd_scale is not None:
-            linear.update_backward_state(cfg, bwd_scale, bwd_history, [g1_amax, g2_amax])
+            delayed.update_backward_state(cfg, bwd_scale, bwd_history, [g1_amax, g2_amax])
         db1 = db1 if needs[2] else None
         db2 = db2 if needs[4] else None
         return dx, dw1, db1, dw2, db2, None, None, None, None, None
