@@ -146,3 +146,28 @@ def test_option_moves_the_biased_cast_into_the_graph(module, patched, graph_brea
     bw = _backward_ops(make, R.DelayedScaling(amax_history_len=4))
     assert graph_breaks() == 0
     assert bw["delayed_grad_quantize"] == {"linear": 0, "mlp": 1, "layer": 1}[module]
+
+
+def test_option_is_guarded(patched, graph_breaks):
+    """Turning the option on between steps recompiles (dynamo guards on it, read in the
+    backward): the next backward has no TE call; turning it off again reuses the first graph."""
+    rec = JointRecorder()
+    with te_compile.simulate_gpu("hopper"), graph_fp8():
+        torch.manual_seed(0)
+        module = te.Linear(64, 128, params_dtype=torch.bfloat16).cuda()
+        recipe = R.DelayedScaling(amax_history_len=4)
+
+        def fn(x):
+            with te.autocast(recipe=recipe):
+                return module(x)
+
+        compiled = torch.compile(fn, backend=rec.backend, fullgraph=True)
+        for flag in (False, True, False):
+            te_compile.configure(graph_dbias=flag)
+            x = torch.randn(32, 2, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            compiled(x).float().sum().backward()
+        te_compile.configure(graph_dbias=False)
+    assert graph_breaks() == 0
+    assert (len(rec.fw), len(rec.bw)) == (2, 2)
+    calls = [rec.targets([g]) for g in rec.bw]
+    assert [any("delayed_grad_quantize" in t for t in c) for c in calls] == [True, False]
