@@ -83,6 +83,14 @@ def rows_per_step(rows: int, cols: int, in_bytes: int, sms: int) -> int:
     return _STATIC_STORE
 
 
+@torch.compiler.assume_constant_result
+def _rows_per_step_on(rows: int, cols: int, in_bytes: int, device_index) -> int:
+    """rows_per_step on the GPU `device_index` (its SM count, TE's `cuda::sm_count`), run
+    eagerly at trace time: no device query or environment read is traced."""
+    sms = torch.cuda.get_device_properties(device_index).multi_processor_count
+    return rows_per_step(rows, cols, in_bytes, sms)
+
+
 def _from_zero(x: torch.Tensor) -> torch.Tensor:
     """0 + x: x, but +0 for -0."""
     return torch.where(x == 0, torch.zeros_like(x), x)
@@ -99,10 +107,11 @@ def _in_order(parts: torch.Tensor, start_from_zero: bool = True) -> torch.Tensor
 def bias_grad(grad2d: torch.Tensor, sms: int | None = None) -> torch.Tensor:
     """The sum of 2-D `grad2d` over its rows in grad2d's dtype, added as TE's fused kernel adds
     it (see the module docstring) on a GPU of `sms` SMs (None: grad2d's)."""
-    rows, cols = grad2d.shape
+    rows, cols = int(grad2d.shape[0]), int(grad2d.shape[1])  # R depends on them: static
     if sms is None:
-        sms = torch.cuda.get_device_properties(grad2d.device).multi_processor_count
-    r = rows_per_step(rows, cols, grad2d.element_size(), sms)
+        r = _rows_per_step_on(rows, cols, grad2d.element_size(), grad2d.device.index)
+    else:
+        r = rows_per_step(rows, cols, grad2d.element_size(), sms)
     tile = _WARP * r
     tiles = -(-rows // tile)
     x = grad2d.float()
