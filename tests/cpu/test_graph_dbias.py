@@ -2,16 +2,15 @@
 kernel (the `graph_dbias` option). Against a loop-by-loop transcription of that kernel's
 additions here (float32 numpy, one add at a time), eager and under inductor; the kernel
 configuration TE picks; and which op the graph path calls with the option. Against TE's kernel
-itself: tests/gpu/test_graph_fp8_layers_gpu.py (a GPU run)."""
+itself: tests/gpu/test_graph_dbias_gpu.py (a GPU run)."""
 
 from __future__ import annotations
-
-import collections
 
 import numpy as np
 import pytest
 import torch
 import transformer_engine.pytorch as te
+from test_graph_fp8_layers import _trace
 from transformer_engine.common import recipe as R
 
 import te_compile
@@ -106,24 +105,6 @@ def test_rows_per_step_is_tes_configuration(monkeypatch):
     assert te_dbias.rows_per_step(512, 1024, 2, 132) == 8
 
 
-def _backward_ops(make, recipe, shape=(32, 2, 64)):
-    rec = JointRecorder()
-    with te_compile.simulate_gpu("hopper"), graph_fp8():
-        torch.manual_seed(0)
-        module = make()
-        x = torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-
-        def fn(x):
-            with te.autocast(recipe=recipe):
-                return module(x)
-
-        out = torch.compile(fn, backend=rec.backend, fullgraph=True)(x)
-        out = out[0] if isinstance(out, tuple) else out
-        out.float().sum().backward()
-    assert (len(rec.fw), len(rec.bw)) == (1, 1)
-    return collections.Counter(t.split(".")[1] for t in rec.targets(rec.bw) if "te_compile" in t)
-
-
 @pytest.fixture
 def graph_dbias():
     te_compile.configure(graph_dbias=True)
@@ -143,7 +124,7 @@ def test_option_moves_the_biased_cast_into_the_graph(module, patched, graph_brea
             64, 256, 4, hidden_dropout=0.0, attention_dropout=0.0, params_dtype=torch.bfloat16
         ).cuda(),
     }[module]
-    bw = _backward_ops(make, R.DelayedScaling(amax_history_len=4))
+    _, bw = _trace(make, R.DelayedScaling(amax_history_len=4))
     assert graph_breaks() == 0
     assert bw["delayed_grad_quantize"] == {"linear": 0, "mlp": 1, "layer": 1}[module]
 
