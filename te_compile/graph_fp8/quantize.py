@@ -228,7 +228,7 @@ def quantize_delayed(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DelayedScaling: (FP8 data, scale_inv [1], amax [1]) of x with a given scale [1]; the
     amax is x's, recorded for the history as TE's cast kernel records it. `scale_inv`: the
-    scale's reciprocal, if already taken (graph_fp8.linear.Scales). `rows`: the amax's row
+    scale's reciprocal, if already taken (graph_fp8.delayed.Scales). `rows`: the amax's row
     maxima instead (row_maxima; maxima() finishes several in one kernel)."""
     scale_inv = reciprocal(scale) if scale_inv is None else scale_inv
     return cast(x, scale, fp8), scale_inv, row_maxima(x) if rows else amax(x, by_rows=True)

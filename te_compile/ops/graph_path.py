@@ -108,7 +108,7 @@ def delayed_grad_quantize(
     quantizes the activation's gradient. Returns (dbias, FP8 data, its transpose, scale_inv [1],
     amax [1]); the caller records the amax into TE's history. `scales`: the direction's whole
     tensor, so that the backward reads TE's tensor itself (a slice taken outside the op may be
-    taken in the forward graph and saved: graph_fp8.linear.scale_for_te_cast)."""
+    taken in the forward graph and saved: graph_fp8.delayed.scale_for_te_cast)."""
     cfg = QuantConfig.from_key(config)
     state = [scales[slot : slot + 1], grad.new_zeros(1, dtype=torch.float32)]
     if act_input is None:

@@ -82,19 +82,19 @@ def test_only_tes_fused_update_with_integer_margins_runs_in_the_graph():
 
 
 def test_slot_helpers_keep_the_values():
-    """linear.in_slots puts each amax at its slot (0 elsewhere, inf kept), and quantize_delayed
+    """delayed.in_slots puts each amax at its slot (0 elsewhere, inf kept), and quantize_delayed
     with a module's Scales (reciprocals taken once) gives quantize.quantize_delayed's bytes."""
-    from te_compile.graph_fp8 import linear, quantize
+    from te_compile.graph_fp8 import delayed, quantize
     from te_compile.recipes import QuantConfig
 
     like = torch.zeros(6)
-    got = linear.in_slots(like, {0: torch.tensor([2.5]), 3: torch.tensor([math.inf])})
+    got = delayed.in_slots(like, {0: torch.tensor([2.5]), 3: torch.tensor([math.inf])})
     assert got.tolist() == [2.5, 0.0, 0.0, math.inf, 0.0, 0.0]
     cfg = QuantConfig(kind="delayed")
     scale = torch.tensor([3.0, 0.37, 1.0, 1e-30, 7.0, 1.0])
     t = (torch.randn(64, 32) * 100).to(torch.bfloat16)
     for role, gemm in ((0, 0), (1, 0), (0, 1), (1, 1)):
-        ours = linear.quantize_delayed(t, linear.Scales.of(scale), cfg, role, gemm=gemm)
+        ours = delayed.quantize_delayed(t, delayed.Scales.of(scale), cfg, role, gemm=gemm)
         slot = role + 3 * gemm
         want = quantize.quantize_delayed(
             quantize.stored_bf16(t), scale[slot : slot + 1], cfg.dtypes[role]

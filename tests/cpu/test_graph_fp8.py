@@ -328,7 +328,7 @@ def test_delayed_scaling_graph_path_joint_graph(
     assert bw.count(update) == (0 if in_graph else 1)
     # TE's fused dbias cast (a biased Linear) reads the backward scales themselves where the
     # update is graph operations, a copy where TE's update kernel follows in the same graph
-    # (graph_fp8.linear.scale_for_te_cast)
+    # (graph_fp8.delayed.scale_for_te_cast)
     assert bw.count("te_compile.scale_in_backward.default") == (0 if in_graph else 1)
     assert bw.count("te_compile.delayed_grad_quantize.default") == 1
     assert rec.targets(rec.bw).count("aten.copy_.default") == 2  # (the op's, functionalized)

@@ -2,7 +2,7 @@
 `_scaled_mm`, in the forward and (saved) in the backward, starts at a multiple of 512 bytes
 into its buffer, and every FP8 operand and bf16 bias at a multiple of 16 bytes (cuBLASLt's
 alignment). cuBLASLt refuses a scale 4 bytes into a buffer (CUBLAS_STATUS_NOT_SUPPORTED on the
-H100, for DelayedScaling's per-module reciprocals before graph_fp8.linear.Scales padded them),
+H100, for DelayedScaling's per-module reciprocals before graph_fp8.delayed.Scales padded them),
 which no CPU trace would show without reading inductor's generated code, as this does."""
 
 from __future__ import annotations
