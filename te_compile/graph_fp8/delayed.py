@@ -81,9 +81,7 @@ def delayed_grad_with_bias(grad2d, bwd_scale, cfg: QuantConfig, gemm=0, te_scale
     scales if the caller has them), or with the `graph_dbias` option the cast as graph
     operations and the sum in that kernel's order (te_dbias.py)."""
     if options.current().graph_dbias:
-        gq, g_si, amax = quantize_delayed(
-            grad2d, backward_scales(bwd_scale, grad2d), cfg, 2, gemm=gemm
-        )
+        gq, g_si, amax = quantize_grad(grad2d, bwd_scale, cfg, gemm)
         return te_dbias.bias_grad(grad2d), gq, None, g_si, amax
     scale = scale_for_te_cast(cfg, bwd_scale, grad2d) if te_scale is None else te_scale
     return delayed_grad_with_dbias(grad2d, scale, cfg, gemm)
@@ -100,6 +98,12 @@ def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
     the autocast exit's update) nor inductor (which, torch 2.11 on the H100, scheduled a fused
     cast after the op's own write of the scale) can move it."""
     return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
+
+
+def quantize_grad(grad2d, bwd_scale, cfg: QuantConfig, gemm=0):
+    """(FP8 data, scale_inv, amax) of grad_output `grad2d` of GEMM `gemm` cast in the graph,
+    with the backward scales read in the backward (backward_scales)."""
+    return quantize_delayed(grad2d, backward_scales(bwd_scale, grad2d), cfg, 2, gemm=gemm)
 
 
 def scale_for_te_cast(cfg: QuantConfig, scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,10 @@ from ..recipes import ROLES, QuantConfig
 from . import quantize
 from .delayed import (
     Scales,
-    backward_scales,
     delayed_grad_with_bias,
     in_slots,
     quantize_delayed,
+    quantize_grad,
     update_backward_state,
 )
 
@@ -267,8 +267,7 @@ class _LinearFunction(torch.autograd.Function):
             if ctx.has_bias:  # TE's fused dbias + cast (see the module docstring)
                 fused_dbias, gq, gq_t, g_si, g_amax = delayed_grad_with_bias(dy2d, bwd_scale, cfg)
             else:
-                scales = backward_scales(bwd_scale, dy2d)
-                gq, g_si, g_amax = quantize_delayed(dy2d, scales, cfg, 2)
+                gq, g_si, g_amax = quantize_grad(dy2d, bwd_scale, cfg)
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx, gq_t = dgrad_and_grad_copy(

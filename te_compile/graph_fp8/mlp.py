@@ -167,8 +167,7 @@ class _MLPFunction(torch.autograd.Function):
                 )
             else:
                 db2, gq_t = None, None
-                scales = delayed.backward_scales(bwd_scale, dy)
-                gq, g_si, g2_amax = delayed.quantize_delayed(dy, scales, cfg, _GRAD, gemm=_FC2)
+                gq, g_si, g2_amax = delayed.quantize_grad(dy, bwd_scale, cfg, _FC2)
         fc2_dgrad, gq_t = linear.dgrad_and_grad_copy(
             gq, g_si, w2q, w2_si, dtype, acc[1], needs[3], gq_t
         )
