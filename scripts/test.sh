@@ -9,5 +9,11 @@ bash scripts/install.sh
 source scripts/env.sh
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
+# One pytest worker per core (at most 4: each holds torch, TE and inductor's compile pool) by
+# file, so that a file's module fixtures build once; TE_COMPILE_TEST_WORKERS=0 runs in-process.
+# A serial run took 70 min on CI's 2 cores, most of it tracing and inductor codegen on one core.
+workers=${TE_COMPILE_TEST_WORKERS:-$(($(nproc) < 4 ? $(nproc) : 4))}
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 # pytest exits 5 when no test ran: with `set -e` that fails this script, as it should.
-.venv/bin/python -m pytest -q -p no:cacheprovider tests "$@"
+.venv/bin/python -m pytest -q -p no:cacheprovider "${parallel[@]}" tests "$@"
