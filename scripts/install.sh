@@ -142,7 +142,7 @@ fi
 # The test extra (pyproject.toml): pytest, ruff, and transformers + accelerate for the HF tests.
 # Those two are pure-Python wheels; with their dependencies (tokenizers, safetensors and hf-xet
 # as binary wheels) they add 13 s with pip's download cache warm, 22 s cold, on 2 cores.
-log "installing te-compile with test extras (pytest, ruff, transformers, accelerate)"
+log "installing te-compile with test extras (pytest, pytest-xdist, ruff, transformers, accelerate)"
 pip install -q -e "$root[test]"
 ensure_cudnn
 "$py" -W ignore -c "
