@@ -40,6 +40,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_te)
 
 
+def pytest_configure(config):
+    """TE_COMPILE_TEST_GC_EVERY_ALLOCATION=1: the garbage collector runs after every allocation,
+    so a finalizer that disturbs a compile (docs/gpu.md, "Seen once") runs at the first chance,
+    at the same point in every run, instead of wherever the collector's timing puts it."""
+    if os.environ.get("TE_COMPILE_TEST_GC_EVERY_ALLOCATION") == "1":
+        import gc
+
+        gc.set_threshold(1, 1, 1)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def inductor_config_from_env():
     """TE_COMPILE_TEST_INDUCTOR="combo_kernels=1,triton.cooperative_reductions=1" runs the suite
