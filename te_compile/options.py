@@ -31,6 +31,10 @@ class Options:
     # backward). Bit-identical to that kernel on an H200; off by default: measured no faster
     # (docs/performance.md, session 41).
     graph_dbias: bool = False
+    # DelayedScaling's per-module backward update on the graph path (the history roll and the
+    # scale) as one Triton kernel of te_compile's own (graph_fp8/history_kernel.py) instead of
+    # the 3 inductor makes of the same arithmetic. Off by default: not yet run on a GPU.
+    triton_history_update: bool = False
 
 
 _current = Options()

@@ -126,8 +126,8 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
     operations (delayed_update.py) where they are TE's arithmetic, else TE's kernel."""
     # each GEMM's backward slots: grad_output (its amax), grad_input (none recorded)
     slots = {delayed_slot("grad", gemm): a for gemm, a in enumerate(grad_amaxes)}
-    amaxes = in_slots(history[0], slots)
     if cfg.defers_backward_update:
+        amaxes = in_slots(history[0], slots)
         # Every read of the history in one operation with the amaxes (a max with 0 leaves rows
         # 1.. as they are): a read of it alone could be moved into the forward graph, and the
         # autocast exit rolls the history between forward and backward. The whole tensor: a
@@ -136,7 +136,20 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
         rows = torch.nn.functional.pad(amaxes[None], (0, 0, 0, history.shape[0] - 1))
         history.copy_(torch.maximum(history, rows))
         return
-    latest = torch.maximum(history[0], amaxes)
+    if _graph_updates(cfg) and options.current().triton_history_update:
+        from . import history_kernel  # noqa: F401  (registers the op; needs Triton: only when asked)
+
+        scaled_max = quantize.fp8_max(cfg.dtypes[2]) * 2.0**-cfg.margin
+        torch.ops.te_compile.delayed_history_update(
+            history,
+            scale,
+            list(slots.values()),
+            list(slots),
+            cfg.amax_algo == "most_recent",
+            scaled_max,
+        )
+        return
+    latest = torch.maximum(history[0], in_slots(history[0], slots))
     if _graph_updates(cfg):
         new_history, new_scale = delayed_update.updated(
             history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin

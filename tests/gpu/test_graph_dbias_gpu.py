@@ -8,16 +8,13 @@ trained compiled with the option against eager TE.
 
 from __future__ import annotations
 
+import option_training
 import pytest
-import test_graph_fp8_layers_gpu as layers
-import test_transformer_layer_gpu as layer_tests
 import torch
 import transformer_engine_torch as tex
 from transformer_engine.pytorch.tensor.float8_tensor import Float8Quantizer
 
-import te_compile
 from te_compile.graph_fp8 import te_dbias
-from te_compile_testing import graph_fp8
 
 pytestmark = pytest.mark.gpu
 
@@ -53,30 +50,11 @@ def test_sum_is_tes_fused_dbias(shape, patched):
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 
-@pytest.fixture
-def graph_dbias():
-    te_compile.configure(graph_dbias=True)
-    yield
-    te_compile.configure(graph_dbias=False)
-
-
-def test_layernorm_mlp_trains_as_eager_te(patched, graph_dbias):
-    """LayerNormMLP with biases (FC2's cast in the graph, FC1's still TE's dbias_dgelu), 4 SGD
-    steps against eager TE: outputs, gradients, histories and scales bit-identical."""
-    want = layers._train_mlp(False, "LayerNorm", True, "delayed", steps=4)
-    got = layers._train_mlp(True, "LayerNorm", True, "delayed", steps=4)
-    layers._assert_identical(got, want)
-
-
-def test_layernorm_linear_trains_as_eager_te(patched, graph_dbias):
-    """LayerNormLinear with a bias on the graph path, 4 steps against eager TE."""
-    want = layers._train_ln_linear(False, "LayerNorm", False, True)
-    with graph_fp8():
-        got = layers._train_ln_linear(True, "LayerNorm", False, True)
-    layers._assert_identical(got, want)
-
-
-def test_transformer_layer_matches_eager(patched, graph_dbias, monkeypatch):
-    """Two steps of a causal TransformerLayer (the QKV projection's bias in the graph)."""
-    with graph_fp8():
-        layer_tests.check("causal", "delayed", monkeypatch, n=2, lr=0.01)
+# The option's training checks (option_training.py): LayerNormMLP, LayerNormLinear and a
+# TransformerLayer trained with it against eager TE.
+(
+    option,
+    test_layernorm_mlp_trains_as_eager_te,
+    test_layernorm_linear_trains_as_eager_te,
+    test_transformer_layer_matches_eager,
+) = option_training.tests("graph_dbias")
