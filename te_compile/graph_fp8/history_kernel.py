@@ -45,9 +45,8 @@ def _roll_and_scale(
     a0 = tl.load(amax0).to(tl.float32)
     a1 = tl.load(amax1).to(tl.float32)
     step_amax = tl.where(c == slot0, a0, tl.where(c == slot1, a1, 0.0))
-    # torch.maximum's NaN rule (a NaN operand wins), which fmaxf's does not follow
-    nan = (row0 != row0) | (step_amax != step_amax)
-    latest = tl.where(nan, float("nan"), tl.maximum(row0, step_amax))
+    # torch.maximum's NaN rule (a NaN operand wins), not fmaxf's, as inductor writes it
+    latest = tl.maximum(row0, step_amax, propagate_nan=tl.PropagateNan.ALL)
     read = tl.where(rows == length - 1, latest, following)  # row i + 1, the last row `latest`
     changed = latest != 0.0
     new_col = tl.where(changed, tl.where(rows == 0, 0.0, read), col)
