@@ -6,8 +6,8 @@ into TE's tensor: inductor does not write a roll into the tensor it reads), this
 One program per tensor (column) of the [len, n] history: it loads the whole column, so its
 in-place roll reads every row before it writes any. The arithmetic is delayed_update.updated's,
 operation for operation (tests/cpu/test_history_kernel.py checks the two against each other in
-Triton's interpreter; against TE's kernel: tests/gpu/test_graph_fp8_gpu.py's DelayedScaling
-state with the option on). Imported only when the option is on: it needs Triton.
+Triton's interpreter; tests/gpu/test_history_kernel_gpu.py against TE's fused update kernel and
+in training against eager TE). Imported only when the option is on: it needs Triton.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 it replaces, delayed.in_slots then delayed_update.updated (themselves checked against TE's
 kernel: test_graph_delayed_update.py), bit for bit, in Triton's interpreter on the CPU; and what
 it does to a DelayedScaling TransformerLayer's backward graph on the simulated GPU. On a GPU:
-tests/gpu/test_graph_fp8_gpu.py's DelayedScaling state parity with the option on.
+tests/gpu/test_history_kernel_gpu.py (against TE's fused update kernel, and in training).
 """
 
 from __future__ import annotations
