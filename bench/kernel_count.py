@@ -95,16 +95,26 @@ def count(
     rows = []
     for source in generated_sources(recipe_name, hidden, tokens, inductor):
         num_gb = {name: float(gb) for name, gb in _NUM_GB.findall(source)}
-        # the graph's own calls: the last `call`, after each kernel's benchmark harness
-        body = source[[*_CALL.finditer(source)][-1].start() :]
-        code = "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+        code = wrapper_code(source)
         calls = collections.Counter(
             re.findall(r"(extern_kernels\._scaled_mm|te_compile\.\w+)(?:\.default)?\(", code)
         )
-        launched = re.findall(r"(\w+)\.run\(", code)
+        launched = launches(source)
         megabytes = 1e3 * sum(num_gb.get(name, 0.0) for name in launched)
         rows.append((len(set(launched)), len(launched), megabytes, calls, _inputs_outputs(code)))
     return rows
+
+
+def wrapper_code(source: str) -> str:
+    """The graph's own calls: the last `call` of inductor's generated `source` (after each
+    kernel's benchmark harness), without its comment lines."""
+    body = source[[*_CALL.finditer(source)][-1].start() :]
+    return "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+
+
+def launches(source: str) -> list[str]:
+    """The Triton kernels the graph launches, in order (a kernel launched twice is listed twice)."""
+    return re.findall(r"(\w+)\.run\(", wrapper_code(source))
 
 
 def _inputs_outputs(code: str) -> tuple[int, int]:

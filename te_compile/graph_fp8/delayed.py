@@ -139,14 +139,13 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
     if _graph_updates(cfg) and options.current().triton_history_update:
         from . import history_kernel  # noqa: F401  (registers the op; needs Triton: only when asked)
 
-        scaled_max = quantize.fp8_max(cfg.dtypes[2]) * 2.0**-cfg.margin
         torch.ops.te_compile.delayed_history_update(
             history,
             scale,
             list(slots.values()),
             list(slots),
             cfg.amax_algo == "most_recent",
-            scaled_max,
+            delayed_update.scaled_max(cfg.dtypes[2], cfg.margin),
         )
         return
     latest = torch.maximum(history[0], in_slots(history[0], slots))

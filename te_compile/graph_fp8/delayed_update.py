@@ -28,6 +28,12 @@ def applies(algo: str, margin: float, fused: bool) -> bool:
     return fused and algo in ("max", "most_recent") and float(margin).is_integer()
 
 
+def scaled_max(fp8: str, margin: float) -> float:
+    """The update's numerator: the FP8 format's maximum times 2^-margin (exact in float32 for
+    the integer margins taken here)."""
+    return fp8_max(fp8) * 2.0**-margin
+
+
 def updated(history, scale, last, algo: str, fp8: str, margin: float):
     """(new history [len, n], new scale [n]) of TE's fused update, `last` [n] the latest amaxes."""
     # Selects over a roll, not cats: inductor fuses them into one kernel with the amax.
@@ -43,9 +49,8 @@ def updated(history, scale, last, algo: str, fp8: str, margin: float):
     else:
         amax = last
     amax = torch.where(changed, amax, torch.zeros_like(amax))
-    scaled_max = fp8_max(fp8) * 2.0**-margin
     amax64 = amax.double()
-    quotient = (torch.full_like(amax64, scaled_max) / amax64).float()
+    quotient = (torch.full_like(amax64, scaled_max(fp8, margin)) / amax64).float()
     new_scale = torch.where(torch.isfinite(amax) & (amax > 0), quotient, scale)
     infinite = torch.isinf(new_scale)
     return new_history, torch.where(infinite, torch.full_like(new_scale, flt_max()), new_scale)

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-FLT_MAX = torch.finfo(torch.float32).max
+from .quantize import flt_max
 
 
 @triton.jit
@@ -31,7 +31,7 @@ def _roll_and_scale(
     length,
     n,
     scaled_max,
-    flt_max,
+    largest_float,
     MOST_RECENT: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -59,7 +59,7 @@ def _roll_and_scale(
     quotient = (scaled_max / new_amax.to(tl.float64)).to(tl.float32)
     usable = (new_amax == new_amax) & (tl.abs(new_amax) != float("inf")) & (new_amax > 0.0)
     new_scale = tl.where(usable, quotient, tl.load(scale + c))
-    new_scale = tl.where(tl.abs(new_scale) == float("inf"), flt_max, new_scale)
+    new_scale = tl.where(tl.abs(new_scale) == float("inf"), largest_float, new_scale)
     tl.store(history + rows * n + c, new_col, mask=inside)
     tl.store(scale + c, new_scale)
 
@@ -92,7 +92,7 @@ def delayed_history_update(
         length,
         n,
         scaled_max,
-        FLT_MAX,
+        flt_max(),
         MOST_RECENT=most_recent,
         BLOCK=triton.next_power_of_2(length),
     )

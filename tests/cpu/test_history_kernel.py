@@ -71,14 +71,6 @@ def triton_history_update(patched):
         te_compile.configure(triton_history_update=False)
 
 
-def _launches(source: str) -> list[str]:
-    """The Triton kernels the graph's own `call` launches, in order (bench/kernel_count.py's)."""
-    body = source[
-        [*re.finditer(r"\n    def call\(self, args\):|\ndef call\(args\):", source)][-1].start() :
-    ]
-    return re.findall(r"(\w+)\.run\(", body)
-
-
 def test_transformer_layer_backward_launches(triton_history_update):
     """One kernel per module's update, in place on TE's tensors (no copy back), for inductor's
     3, reading the amaxes where they are (the graph gathers them first): a TransformerLayer's
@@ -89,13 +81,13 @@ def test_transformer_layer_backward_launches(triton_history_update):
     import kernel_count
 
     sources = kernel_count.generated_sources("delayed", 1024, 512)
-    forward, backward = map(_launches, sources)
+    forward, backward = map(kernel_count.launches, sources)
     # in place: its history and scale arguments are the graph's inputs, TE's own tensors
     calls = re.findall(r"_roll_and_scale_0\.run\((\w+), (\w+),", sources[1])
     assert calls and all(h.startswith("primals") and s.startswith("primals") for h, s in calls)
     te_compile.configure(triton_history_update=False)
     forward_before, backward_before = map(
-        _launches, kernel_count.generated_sources("delayed", 1024, 512)
+        kernel_count.launches, kernel_count.generated_sources("delayed", 1024, 512)
     )
     assert len(forward) == len(forward_before)
     assert len(backward) == len(backward_before) - 5, (len(backward), len(backward_before))
