@@ -99,14 +99,16 @@ case "${PART:-all}" in
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
   # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
   graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py
-    $g/test_gpt_blocks_gpu.py $g/test_graph_dbias_gpu.py $g/test_history_kernel_gpu.py) ;;
+    $g/test_gpt_blocks_gpu.py $g/test_graph_dbias_gpu.py $g/test_history_kernel_gpu.py
+    $g/test_history_graph_ops_gpu.py) ;;
   # PART=graph in two (session 28 on an H100: graph_fp8's two files over 530 s, the GPT blocks about 340 s)
   graph1) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py) ;;
   gpt) files=($g/test_gpt_blocks_gpu.py) ;;
   # The `graph_dbias` option (off by default): its sum against TE's kernel, modules trained
   dbias) files=($g/test_graph_dbias_gpu.py) ;;
-  # The `triton_history_update` option (off by default): its kernel against TE's update, modules
-  history) files=($g/test_history_kernel_gpu.py) ;;
+  # `triton_history_update` (on by default since session 43): its kernel against TE's update,
+  # modules trained with it on, and with it off (the graph operations)
+  history) files=($g/test_history_kernel_gpu.py $g/test_history_graph_ops_gpu.py) ;;
   stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
   # PART=stack in parts of at most about 9 minutes each on an H100 (session 21's timings)
   checkpoint) files=($g/test_checkpoint_gpu.py) ;;

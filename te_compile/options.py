@@ -33,8 +33,9 @@ class Options:
     graph_dbias: bool = False
     # DelayedScaling's per-module backward update on the graph path (the history roll and the
     # scale) as one Triton kernel of te_compile's own (graph_fp8/history_kernel.py) instead of
-    # the 3 inductor makes of the same arithmetic. Off by default: not yet run on a GPU.
-    triton_history_update: bool = False
+    # the 3 inductor makes of the same arithmetic; TE's fused update bit for bit on an H200.
+    # On by default since session 43 (docs/performance.md); False: the graph operations.
+    triton_history_update: bool = True
 
 
 _current = Options()

@@ -6,6 +6,8 @@ amax record and update.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from typing import NamedTuple
 
 import torch
@@ -91,6 +93,12 @@ def _graph_updates(cfg: QuantConfig) -> bool:
     return delayed_update.applies(cfg.amax_algo, cfg.margin, cfg.fused_update)
 
 
+@functools.cache
+def _has_triton() -> bool:
+    # Without Triton (a CPU-only torch) the graph operations compute the same update.
+    return importlib.util.find_spec("triton") is not None
+
+
 def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
     """The backward scales grad_output's cast reads and their reciprocals, from a copy of TE's
     tensor read in the backward (te_compile::scale_in_backward, tied to `grad`): neither the
@@ -136,8 +144,8 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
         rows = torch.nn.functional.pad(amaxes[None], (0, 0, 0, history.shape[0] - 1))
         history.copy_(torch.maximum(history, rows))
         return
-    if _graph_updates(cfg) and options.current().triton_history_update:
-        from . import history_kernel  # noqa: F401  (registers the op; needs Triton: only when asked)
+    if _graph_updates(cfg) and options.current().triton_history_update and _has_triton():
+        from . import history_kernel  # noqa: F401  (registers the op; imported once it is used)
 
         torch.ops.te_compile.delayed_history_update(
             history,

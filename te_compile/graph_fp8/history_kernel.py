@@ -1,13 +1,14 @@
 """DelayedScaling's backward history roll and scale update (delayed_update.py) as one Triton
-kernel, for the `triton_history_update` option: inductor writes `delayed_update.updated` as 3
+kernel, the `triton_history_update` option (on by default): inductor writes `delayed_update.updated` as 3
 launches per module (the amax and scale, the rolled history into a new buffer, its copy back
 into TE's tensor: inductor does not write a roll into the tensor it reads), this is 1.
 
-One program per tensor (column) of the [len, n] history: it loads the whole column, so its
-in-place roll reads every row before it writes any. The arithmetic is delayed_update.updated's,
+One program per tensor (column) of the [len, n] history: it loads the whole column and waits at
+a barrier for all its warps before it stores, so its in-place roll reads every row before it
+writes any. The arithmetic is delayed_update.updated's,
 operation for operation (tests/cpu/test_history_kernel.py checks the two against each other in
 Triton's interpreter; tests/gpu/test_history_kernel_gpu.py against TE's fused update kernel and
-in training against eager TE). Imported only when the option is on: it needs Triton.
+in training against eager TE). Imported when first used: it needs Triton.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ def _roll_and_scale(
     a0 = tl.load(amax0).to(tl.float32)
     a1 = tl.load(amax1).to(tl.float32)
     step_amax = tl.where(c == slot0, a0, tl.where(c == slot1, a1, 0.0))
-    # torch.maximum's NaN rule (a NaN operand wins), not fmaxf's, as inductor writes it
-    latest = tl.maximum(row0, step_amax, propagate_nan=tl.PropagateNan.ALL)
+    # torch.maximum's rule as a select (a NaN operand is returned, the first if both), where
+    # tl.maximum returns a canonical NaN. Under inductor the stored NaN was still canonical on
+    # an H200: a NaN's payload is the one bit pattern not kept (docs/graph_fp8.md)
+    latest = tl.where((row0 > step_amax) | (row0 != row0), row0, step_amax)
     read = tl.where(rows == length - 1, latest, following)  # row i + 1, the last row `latest`
     changed = latest != 0.0
     new_col = tl.where(changed, tl.where(rows == 0, 0.0, read), col)
@@ -60,6 +63,8 @@ def _roll_and_scale(
     usable = (new_amax == new_amax) & (tl.abs(new_amax) != float("inf")) & (new_amax > 0.0)
     new_scale = tl.where(usable, quotient, tl.load(scale + c))
     new_scale = tl.where(tl.abs(new_scale) == float("inf"), largest_float, new_scale)
+    # every warp has read its rows before any warp writes: the roll is in place
+    tl.debug_barrier()
     tl.store(history + rows * n + c, new_col, mask=inside)
     tl.store(scale + c, new_scale)
 

@@ -65,10 +65,11 @@ def test_kernel_equals_graph_update_in_the_interpreter():
 
 @pytest.fixture
 def triton_history_update(patched):
+    before = te_compile.options.current().triton_history_update
     with graph_fp8(None):  # te_compile's default (CPU traces pin False): the graph path
         te_compile.configure(triton_history_update=True)
         yield
-        te_compile.configure(triton_history_update=False)
+        te_compile.configure(triton_history_update=before)
 
 
 def test_transformer_layer_backward_launches(triton_history_update):

@@ -4,7 +4,8 @@ on against eager TE, bit for bit. A test file takes them with
 
     option, test_a, test_b, test_c = option_training.tests("graph_dbias")
 
-(the fixture `option` turns the option on for each test; pytest collects the three tests).
+(the fixture `option` sets the option, True unless `value` says otherwise, for each test and
+then restores it; pytest collects the three tests).
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ import te_compile
 from te_compile_testing import graph_fp8
 
 
-def tests(name: str) -> tuple:
+def tests(name: str, value: bool = True) -> tuple:
     @pytest.fixture(name="option")
     def option():
-        te_compile.configure(**{name: True})
+        before = getattr(te_compile.options.current(), name)
+        te_compile.configure(**{name: value})
         yield
-        te_compile.configure(**{name: False})
+        te_compile.configure(**{name: before})
 
     def test_layernorm_mlp_trains_as_eager_te(patched, option):
         """LayerNormMLP with biases (two GEMMs, one backward history), 4 SGD steps against

@@ -26,6 +26,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
 
 
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit, except a NaN's payload: Triton may return a canonical NaN where torch.maximum
+    returns its NaN operand (session 43, under inductor); a NaN amax has no other effect."""
+    both_nan = got.isnan() & want.isnan()
+    return torch.equal(got.isnan(), want.isnan()) and torch.equal(
+        _bits(got)[~both_nan], _bits(want)[~both_nan]
+    )
+
+
 def _values(shape, generator) -> torch.Tensor:
     """float32 over its whole range: denormals to 3e38, with zeros, infinities and NaN."""
     exponents = torch.randint(-45, 39, shape, generator=generator).float()
@@ -66,8 +75,8 @@ def test_update_is_tes_kernel(length, algo, fp8, margin, compiled):
             latest, [want_h], [want_s], algo, TE_DTYPE[fp8], float(margin)
         )
         update(history, scale, amaxes, slots, algo, fp8, margin)
-        assert torch.equal(_bits(history), _bits(want_h)), trial
-        assert torch.equal(_bits(scale), _bits(want_s)), trial
+        assert _same(history, want_h), trial
+        assert _same(scale, want_s), trial
 
 
 # The option's training checks (option_training.py): LayerNormMLP, LayerNormLinear and a
