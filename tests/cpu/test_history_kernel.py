@@ -93,3 +93,25 @@ def test_transformer_layer_backward_launches(triton_history_update):
     assert len(forward) == len(forward_before)
     assert len(backward) == len(backward_before) - 5, (len(backward), len(backward_before))
     assert backward.count("_roll_and_scale_0") == 3 and "_roll_and_scale_0" not in backward_before
+
+
+def test_without_triton_the_graph_operations_update(monkeypatch):
+    """The option is on by default; where Triton is missing, update_backward_state takes the
+    graph operations (the kernel would need Triton), and they give TE's update."""
+    import torch
+
+    from te_compile.graph_fp8 import delayed, delayed_update
+    from te_compile.recipes import QuantConfig
+
+    assert te_compile.options.current().triton_history_update
+    monkeypatch.setattr(delayed, "_has_triton", lambda: False)
+    cfg = QuantConfig(kind="delayed")
+    history = torch.tensor([[0.0, 3.0], [1.0, 2.0], [4.0, 0.5]])  # [len, grad_output/grad_input]
+    scale, amax = torch.tensor([1.0, 2.0]), torch.tensor([9.0])
+    latest = torch.maximum(history[0], delayed.in_slots(history[0], {0: amax}))
+    want_h, want_s = delayed_update.updated(
+        history, scale, latest, cfg.amax_algo, cfg.dtypes[2], cfg.margin
+    )
+    delayed.update_backward_state(cfg, scale, history, [amax])  # GEMM 0's grad_output: slot 0
+    assert torch.equal(history, want_h) and torch.equal(scale, want_s)
+    assert history.tolist() == [[0.0, 0.0], [4.0, 0.5], [9.0, 3.0]] and scale[0].item() != 1.0
