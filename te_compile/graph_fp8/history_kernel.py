@@ -1,14 +1,15 @@
 """DelayedScaling's backward history roll and scale update (delayed_update.py) as one Triton
-kernel, the `triton_history_update` option (on by default): inductor writes `delayed_update.updated` as 3
-launches per module (the amax and scale, the rolled history into a new buffer, its copy back
-into TE's tensor: inductor does not write a roll into the tensor it reads), this is 1.
+kernel, the `triton_history_update` option (on by default): inductor writes
+`delayed_update.updated` as 3 launches per module (the amax and scale, the rolled history into a
+new buffer, its copy back into TE's tensor: inductor does not write a roll into the tensor it
+reads), this is 1.
 
 One program per tensor (column) of the [len, n] history: it loads the whole column and waits at
 a barrier for all its warps before it stores, so its in-place roll reads every row before it
-writes any. The arithmetic is delayed_update.updated's,
-operation for operation (tests/cpu/test_history_kernel.py checks the two against each other in
-Triton's interpreter; tests/gpu/test_history_kernel_gpu.py against TE's fused update kernel and
-in training against eager TE). Imported when first used: it needs Triton.
+writes any. The arithmetic is delayed_update.updated's, operation for operation
+(tests/cpu/test_history_kernel.py checks the two against each other in Triton's interpreter;
+tests/gpu/test_history_kernel_gpu.py against TE's fused update kernel and in training against
+eager TE). Imported when first used: it needs Triton.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ _COMPARE = textwrap.dedent(
     """
     import itertools, torch
     from te_compile.graph_fp8 import delayed, delayed_update, history_kernel  # noqa: F401
-    from te_compile.graph_fp8.quantize import fp8_max
 
     VALUES = [0.0, 1e-40, 1e-30, 0.5, 2.5, 448.0, 57344.0, 3e38, float("inf"), float("nan")]
     g = torch.Generator().manual_seed(0)
@@ -42,7 +41,7 @@ _COMPARE = textwrap.dedent(
             want_h, want_s = delayed_update.updated(history, scale, latest, algo, fp8, margin)
             got_h, got_s = history.clone(), scale.clone()
             torch.ops.te_compile.delayed_history_update(
-                got_h, got_s, amaxes, slots, algo == "most_recent", fp8_max(fp8) * 2.0**-margin
+                got_h, got_s, amaxes, slots, algo == "most_recent", delayed_update.scaled_max(fp8, margin)
             )
             runs += 1
             same_h = torch.equal(got_h.view(torch.int32), want_h.view(torch.int32))

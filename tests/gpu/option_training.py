@@ -1,6 +1,6 @@
-"""The training checks an opt-in graph-path option must pass on the GPU (`graph_dbias`,
+"""The training checks a graph-path option must pass on the GPU, on and off (`graph_dbias`,
 `triton_history_update`): DelayedScaling modules with biases trained compiled with the option
-on against eager TE, bit for bit. A test file takes them with
+set against eager TE, bit for bit. A test file takes them with
 
     option, test_a, test_b, test_c = option_training.tests("graph_dbias")
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 import transformer_engine_torch as tex
 
-from te_compile.graph_fp8 import delayed
-from te_compile.graph_fp8.quantize import fp8_max
+from te_compile.graph_fp8 import delayed, delayed_update
 
 pytestmark = pytest.mark.gpu
 
@@ -47,7 +46,7 @@ def _values(shape, generator) -> torch.Tensor:
 
 def _update(history, scale, amaxes, slots, algo, fp8, margin):
     torch.ops.te_compile.delayed_history_update(
-        history, scale, amaxes, slots, algo == "most_recent", fp8_max(fp8) * 2.0**-margin
+        history, scale, amaxes, slots, algo == "most_recent", delayed_update.scaled_max(fp8, margin)
     )
 
 
