@@ -6,7 +6,6 @@ amax record and update.
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 from typing import NamedTuple
 
@@ -93,10 +92,10 @@ def _graph_updates(cfg: QuantConfig) -> bool:
     return delayed_update.applies(cfg.amax_algo, cfg.margin, cfg.fused_update)
 
 
-@functools.cache
-def _has_triton() -> bool:
-    # Without Triton (a CPU-only torch) the graph operations compute the same update.
-    return importlib.util.find_spec("triton") is not None
+# Without Triton (a CPU-only torch) the graph operations compute the same update. Read once at
+# import: a call traced by dynamo (a backward's update) would step into importlib, which dynamo
+# refuses to trace (torch 2.11, session 44), cached or not.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
 def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
@@ -144,7 +143,7 @@ def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -
         rows = torch.nn.functional.pad(amaxes[None], (0, 0, 0, history.shape[0] - 1))
         history.copy_(torch.maximum(history, rows))
         return
-    if _graph_updates(cfg) and options.current().triton_history_update and _has_triton():
+    if _graph_updates(cfg) and options.current().triton_history_update and HAS_TRITON:
         from . import history_kernel  # noqa: F401  (registers the op; imported once it is used)
 
         torch.ops.te_compile.delayed_history_update(

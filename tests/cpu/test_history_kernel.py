@@ -103,7 +103,7 @@ def test_without_triton_the_graph_operations_update(monkeypatch):
     from te_compile.recipes import QuantConfig
 
     assert te_compile.options.current().triton_history_update
-    monkeypatch.setattr(delayed, "_has_triton", lambda: False)
+    monkeypatch.setattr(delayed, "HAS_TRITON", False)
     cfg = QuantConfig(kind="delayed")
     history = torch.tensor([[0.0, 3.0], [1.0, 2.0], [4.0, 0.5]])  # [len, grad_output/grad_input]
     scale, amax = torch.tensor([1.0, 2.0]), torch.tensor([9.0])
