@@ -179,7 +179,7 @@ for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   # diagnoses run on their own; ab.py and targets.py need arguments (PART=ab, the bench parts)
   case "$bench" in
     bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;;
-    bench/attention_probe.py) continue ;;
+    bench/attention_probe.py | bench/issue_time_probe.py) continue ;;
     bench/ab.py | bench/targets.py) continue ;;
   esac
   echo "== $bench" | tee -a "$out/bench.log"
