@@ -19,6 +19,7 @@ Where the arithmetic needs care:
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..kernels.te_dtypes import TORCH_FP8
 
@@ -75,14 +76,17 @@ def _magnitude(x: torch.Tensor) -> torch.Tensor:
 _ONE_KERNEL_ROWS = 8192
 
 
-def _first_fit(sizes: list[int | None]) -> list[list[int]]:
+def _first_fit(sizes: list) -> list[list[int]]:
     """Indices grouped first fit, each group's sizes summing to at most _ONE_KERNEL_ROWS; a
-    size of None (dynamic: compared, it would be guarded on) in a group of its own."""
+    size of None (no whole number of rows), or one whose fit depends on a dynamic size, in a
+    group of its own."""
     groups: list[list[int]] = []
-    totals: list[int] = []
+    totals: list = []
     for i, n in enumerate(sizes):
         fit = [
-            k for k, total in enumerate(totals) if n is not None and total + n <= _ONE_KERNEL_ROWS
+            k
+            for k, total in enumerate(totals)
+            if n is not None and _known(total + n <= _ONE_KERNEL_ROWS)
         ]
         if fit:
             groups[fit[0]].append(i)
@@ -93,19 +97,24 @@ def _first_fit(sizes: list[int | None]) -> list[list[int]]:
     return groups
 
 
-def _static(n) -> int | None:
-    return n if isinstance(n, int) else None
+def _known(condition) -> bool:
+    """`condition` where it holds for every size the graph takes, False where it depends on a
+    dynamic size. Deciding that would add a guard, and a few such guards can pin the size to
+    one value: the graph then recompiles for every other size, and torch 2.11's dynamo fails
+    inside the autograd.Function (session 44). `isinstance(n, int)` cannot tell: dynamo
+    answers True for a SymInt."""
+    return statically_known_true(condition)
 
 
 def _amax_groups(tensors) -> tuple[list[list[int]], int]:
     """(amaxes()'s groups, the row width): the width, the first tensor's last dimension times a
     power of two, whose rows need the fewest groups (_first_fit); tensors of dynamic size, or
     of no whole number of rows, alone."""
-    last = _static(tensors[0].shape[-1])
+    last = tensors[0].shape[-1]
     best: tuple[list[list[int]], int] = ([[i] for i in range(len(tensors))], 0)
-    sizes = [_static(t.numel()) for t in tensors]
-    for width in [last << k for k in range(5)] if last else []:
-        rows = [n // width if n is not None and n % width == 0 else None for n in sizes]
+    sizes = [t.numel() for t in tensors]
+    for width in [last << k for k in range(5)] if _known(last > 0) else []:
+        rows = [n // width if _known(n % width == 0) else None for n in sizes]
         groups = _first_fit(rows)
         if len(groups) < len(best[0]):
             best = (groups, width)
@@ -139,7 +148,7 @@ def maxima(*vectors: torch.Tensor) -> list[torch.Tensor]:
     amaxes of a module's forward, which only its history merge reads. Vectors are finished
     together in groups (_first_fit), one kernel per group."""
     out: list[torch.Tensor | None] = [None] * len(vectors)
-    for group in _first_fit([_static(v.shape[0]) for v in vectors]):
+    for group in _first_fit([v.shape[0] for v in vectors]):
         if len(group) == 1:
             out[group[0]] = vectors[group[0]].amax().reshape(1)
             continue

@@ -170,9 +170,31 @@ def test_amaxes_group_within_one_kernel_range():
     assert groups([x, big, w1]) == ([[0, 2], [1]], 1024)
 
 
+@pytest.mark.parametrize("fn", ["amaxes", "maxima"])
+def test_dynamic_sizes_stay_dynamic(fn):
+    """A tensor of dynamic size is reduced alone, with no guard on its size: one graph for
+    every row count. Deciding whether it fits a group guards on the count, and a few such
+    guards had pinned it to one value (session 44: under dynamo `isinstance(n, int)` is True
+    for a SymInt; torch 2.11's dynamo then failed inside the graph path's autograd.Function,
+    2.14's would have recompiled for every size)."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    reduce = getattr(quantize, fn)
+    compiled = torch.compile(reduce, backend=counter, fullgraph=True)
+    static = torch.rand(4096, 64) if fn == "amaxes" else torch.rand(300)
+    for rows in (4096, 2048, 48, 8192):
+        dynamic = torch.rand(rows, 64) if fn == "amaxes" else torch.rand(rows)
+        torch._dynamo.mark_dynamic(dynamic, 0)
+        got, want = compiled(dynamic, static), reduce(dynamic, static)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), rows
+    assert counter.frame_count == 1
+
+
 def test_first_fit_packs_within_the_limit():
-    """maxima()'s and amaxes()'s packing: first fit within _ONE_KERNEL_ROWS, dynamic sizes
-    (None) alone."""
+    """maxima()'s and amaxes()'s packing: first fit within _ONE_KERNEL_ROWS, sizes of no whole
+    number of rows (None) alone."""
     fit, limit = quantize._first_fit, quantize._ONE_KERNEL_ROWS
     assert fit([limit // 2, limit, limit // 2, 1]) == [[0, 2], [1], [3]]
     assert fit([1, None, 1]) == [[0, 2], [1]]
