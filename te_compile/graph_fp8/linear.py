@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import options
 from ..kernels.fp8_operands import delayed_slot
@@ -133,8 +132,8 @@ TE_TRANSPOSE_MIN_ELEMENTS = 1 << 24
 def _te_transposes(t: torch.Tensor) -> bool:
     # A dynamic size takes inductor's transpose (the same bits) unless its bounds decide: a
     # guard here, with `wanted`'s on AUTO_MAX_MACS, pinned 4096 rows of a GEMM 4096 wide
-    # (2^24 elements, 2^36 multiply-adds) to that one size (session 44: quantize._known).
-    return statically_known_true(t.numel() >= TE_TRANSPOSE_MIN_ELEMENTS)
+    # (2^24 elements, 2^36 multiply-adds) to that one size (session 44)
+    return quantize.holds_for_every_size(t.numel() >= TE_TRANSPOSE_MIN_ELEMENTS)
 
 
 def _transposed(t: torch.Tensor) -> torch.Tensor:

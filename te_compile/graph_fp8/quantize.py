@@ -86,7 +86,7 @@ def _first_fit(sizes: list) -> list[list[int]]:
         fit = [
             k
             for k, total in enumerate(totals)
-            if n is not None and _known(total + n <= _ONE_KERNEL_ROWS)
+            if n is not None and holds_for_every_size(total + n <= _ONE_KERNEL_ROWS)
         ]
         if fit:
             groups[fit[0]].append(i)
@@ -97,7 +97,7 @@ def _first_fit(sizes: list) -> list[list[int]]:
     return groups
 
 
-def _known(condition) -> bool:
+def holds_for_every_size(condition) -> bool:
     """`condition` where it holds for every size the graph takes, False where it depends on a
     dynamic size. Deciding that would add a guard, and a few such guards can pin the size to
     one value: the graph then recompiles for every other size, and torch 2.11's dynamo fails
@@ -113,8 +113,8 @@ def _amax_groups(tensors) -> tuple[list[list[int]], int]:
     last = tensors[0].shape[-1]
     best: tuple[list[list[int]], int] = ([[i] for i in range(len(tensors))], 0)
     sizes = [t.numel() for t in tensors]
-    for width in [last << k for k in range(5)] if _known(last > 0) else []:
-        rows = [n // width if _known(n % width == 0) else None for n in sizes]
+    for width in [last << k for k in range(5)] if holds_for_every_size(last > 0) else []:
+        rows = [n // width if holds_for_every_size(n % width == 0) else None for n in sizes]
         groups = _first_fit(rows)
         if len(groups) < len(best[0]):
             best = (groups, width)
