@@ -62,6 +62,7 @@ def _te_fused_attn():
     return fused_attn
 
 
+@functools.cache
 def layout_format(qkv_layout: str) -> str:
     """ "sbhd" or "bshd": the q format of a layout ("sb3hd" -> "sbhd")."""
     return qkv_layout.split("_")[0].replace("3", "").replace("2", "")
@@ -73,25 +74,33 @@ def _interleave_dim(part: str) -> int:
     return pos - len(part)
 
 
+@functools.cache
+def _packing(qkv_layout: str) -> tuple[int, int | None]:
+    """(how many of q, k, v the last `qkv` tensor packs: 3, 2 or 1, its packing dim or None).
+    Parsed once per layout: the ops run every step."""
+    parts = qkv_layout.split("_")
+    if len(parts) == 3:
+        return 1, None
+    return 4 - len(parts), _interleave_dim(parts[-1])
+
+
 def split_qkv(qkv: list[torch.Tensor], qkv_layout: str):
     """(q, k, v) views of the tensors `qkv_layout` describes."""
-    parts = qkv_layout.split("_")
-    if len(parts) == 1:  # one packed buffer
-        dim = _interleave_dim(parts[0])
-        return tuple(qkv[0].select(dim, i) for i in range(3))
-    if len(parts) == 2:  # q + packed kv
-        dim = _interleave_dim(parts[1])
-        return (qkv[0], qkv[1].select(dim, 0), qkv[1].select(dim, 1))
+    packed, dim = _packing(qkv_layout)
+    if packed == 3:
+        return qkv[0].unbind(dim)
+    if packed == 2:  # q + packed kv
+        return (qkv[0], *qkv[1].unbind(dim))
     return tuple(qkv)
 
 
 def _join_grads(dq, dk, dv, qkv_layout: str) -> list[torch.Tensor]:
     """Gradients shaped as the `qkv` tensors of `qkv_layout`."""
-    parts = qkv_layout.split("_")
-    if len(parts) == 1:
-        return [_packed((dq, dk, dv), _interleave_dim(parts[0]))]
-    if len(parts) == 2:
-        return [dq, _packed((dk, dv), _interleave_dim(parts[1]))]
+    packed, dim = _packing(qkv_layout)
+    if packed == 3:
+        return [_packed((dq, dk, dv), dim)]
+    if packed == 2:
+        return [dq, _packed((dk, dv), dim)]
     return [dq, dk, dv]
 
 
@@ -101,14 +110,10 @@ def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     tensor, the buffer is returned as it is (as eager TE's SplitAlongDim backward does) instead
     of copied. (Pointer arithmetic, not view ops: this runs every step.)"""
     first = grads[0]
-    shape = list(first.shape)
-    d = dim % (first.dim() + 1)
-    shape.insert(d, len(grads))
-    strides = _contiguous_strides(shape)
-    size = first.element_size()
-    gap, ptr, slice_strides = strides[d] * size, first.data_ptr(), (*strides[:d], *strides[d + 1 :])
+    shape, strides, slice_strides, d = _stacked_geometry(first.shape, len(grads), dim)
+    gap, ptr = strides[d] * first.element_size(), first.data_ptr()
     # `first`'s own allocation must hold every slice (adjacent tensors may be apart).
-    end = (first.storage_offset() + first.numel() * len(grads)) * size
+    end = (first.storage_offset() + first.numel() * len(grads)) * first.element_size()
     if not first.is_meta and end <= first.untyped_storage().nbytes():
         if all(
             g.stride() == slice_strides and g.data_ptr() == ptr + i * gap
@@ -118,12 +123,19 @@ def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     return torch.stack(grads, dim=dim)
 
 
-def _contiguous_strides(shape: list[int]) -> list[int]:
+@functools.lru_cache(maxsize=64)
+def _stacked_geometry(slice_shape: torch.Size, n: int, dim: int):
+    """(shape, contiguous strides, the strides each slice has, the stacked dim) of `n`
+    tensors of `slice_shape` stacked along `dim`: one entry per shape seen."""
+    shape = list(slice_shape)
+    d = dim % (len(shape) + 1)
+    shape.insert(d, n)
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= size
-    return strides[::-1]
+    strides.reverse()
+    return shape, strides, (*strides[:d], *strides[d + 1 :]), d
 
 
 def _stats_shape(q: torch.Tensor, qkv_layout: str) -> tuple[int, ...]:
