@@ -111,9 +111,10 @@ def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
     of copied. (Pointer arithmetic, not view ops: this runs every step.)"""
     first = grads[0]
     shape, strides, slice_strides, d = _stacked_geometry(first.shape, len(grads), dim)
-    gap, ptr = strides[d] * first.element_size(), first.data_ptr()
+    size = first.element_size()
+    gap, ptr = strides[d] * size, first.data_ptr()
     # `first`'s own allocation must hold every slice (adjacent tensors may be apart).
-    end = (first.storage_offset() + first.numel() * len(grads)) * first.element_size()
+    end = (first.storage_offset() + first.numel() * len(grads)) * size
     if not first.is_meta and end <= first.untyped_storage().nbytes():
         if all(
             g.stride() == slice_strides and g.data_ptr() == ptr + i * gap
@@ -126,15 +127,15 @@ def _packed(grads: tuple[torch.Tensor, ...], dim: int) -> torch.Tensor:
 @functools.lru_cache(maxsize=64)
 def _stacked_geometry(slice_shape: torch.Size, n: int, dim: int):
     """(shape, contiguous strides, the strides each slice has, the stacked dim) of `n`
-    tensors of `slice_shape` stacked along `dim`: one entry per shape seen."""
-    shape = list(slice_shape)
-    d = dim % (len(shape) + 1)
-    shape.insert(d, n)
+    tensors of `slice_shape` stacked along `dim`: one entry per shape seen, as tuples (the
+    cache hands the same ones to every caller)."""
+    d = dim % (len(slice_shape) + 1)
+    shape = (*slice_shape[:d], n, *slice_shape[d:])
     strides, step = [], 1
     for size in reversed(shape):
         strides.append(step)
         step *= size
-    strides.reverse()
+    strides = tuple(reversed(strides))
     return shape, strides, (*strides[:d], *strides[d + 1 :]), d
 
 
