@@ -30,8 +30,9 @@ class Scales(NamedTuple):
 
     @staticmethod
     def of(scale: torch.Tensor) -> Scales:
+        # each row holds its reciprocal SCALE_INV_ROW times (only the first is read)
         rows = quantize.reciprocal(scale)[:, None]
-        return Scales(scale, torch.nn.functional.pad(rows, (0, SCALE_INV_ROW - 1)))
+        return Scales(scale, rows.expand(-1, SCALE_INV_ROW).contiguous())
 
     def inverse_of(self, slot: int) -> torch.Tensor:
         """[1] scale_inv of `slot`, aligned as a tensor of its own (for the GEMMs)."""
@@ -59,7 +60,7 @@ def in_slots(like: torch.Tensor, amaxes: dict) -> torch.Tensor:
     """float32 `like`-shaped [n]: `amaxes[slot]` ([1] tensors) at their slots, 0 elsewhere, as
     selects inductor fuses into their producers (a cat of [1] tensors is a kernel of its own)."""
     slot = torch.arange(like.shape[0], device=like.device)
-    out = torch.zeros_like(like, dtype=torch.float32)
+    out = torch.full_like(like, 0.0, dtype=torch.float32)
     for i, amax in amaxes.items():
         out = torch.where(slot == i, amax, out)
     return out

@@ -14,6 +14,10 @@ Where the arithmetic needs care:
 - the cast: float32 `x * scale`, then TE's `__NV_SATFINITE` conversion (beyond +-fp8_max,
   infinities included, to +-fp8_max; NaN stays NaN; round to nearest even). PyTorch's cast
   maps out-of-range values to NaN, so they are clamped first (clamp keeps NaN).
+- few distinct operations (`x != x` for isnan, `full_like` for constants, no shifts): inductor
+  names a fused kernel after its operations, and past Triton's 150-character cut of a cubin's
+  name inductor launches the kernel through Triton's slower launcher
+  (tests/cpu/test_kernel_names.py).
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ def row_maxima(x: torch.Tensor) -> torch.Tensor:
 def _magnitude(x: torch.Tensor) -> torch.Tensor:
     """|x| with NaNs as 0: TE's `fmaxf` from 0 skips them, `torch.amax` would propagate them."""
     magnitude = x.abs()
-    return torch.where(torch.isnan(magnitude), torch.zeros_like(magnitude), magnitude)
+    return torch.where(magnitude != magnitude, torch.full_like(magnitude, 0.0), magnitude)
 
 
 # Inductor reduces up to this many elements to one value in a single kernel on Hopper (its
@@ -168,7 +172,7 @@ def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tens
     out, start = [], 0
     for n in lengths:
         inside = (index >= start) & (index < start + n)
-        out.append(torch.where(inside, values, torch.zeros_like(values)).amax().reshape(1))
+        out.append(torch.where(inside, values, torch.full_like(values, 0.0)).amax().reshape(1))
         start += n
     return out
 
@@ -178,9 +182,11 @@ def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) ->
     amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
     amax64 = amax.double()  # tensor / tensor: a scalar numerator is traced as a reciprocal
     scale = (torch.full_like(amax64, fp8_max(fp8)) / amax64).float()
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, flt_max()), scale)
-    one = torch.ones_like(scale)
-    scale = torch.where(torch.isinf(amax) | (amax == 0) | torch.isnan(amax), one, scale)
+    # isinf(s) as |s| > FLT_MAX, and TE's "isinf, 0 or NaN" as "not (finite and nonzero)"
+    infinite = scale.abs() > flt_max()
+    scale = torch.where(infinite, torch.full_like(scale, flt_max()), scale)
+    finite_nonzero = (amax.abs() < float("inf")) & (amax != 0)
+    scale = torch.where(finite_nonzero, scale, torch.full_like(scale, 1.0))
     if pow2:  # keep sign and exponent: the largest power of two not above the scale
         scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
     return scale
@@ -189,7 +195,7 @@ def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) ->
 def reciprocal(scale: torch.Tensor) -> torch.Tensor:
     """TE's scale_inv, `__frcp_rn(scale)`, by way of float64 (see the module docstring)."""
     scale64 = scale.double()
-    return (torch.ones_like(scale64) / scale64).float()
+    return (torch.full_like(scale64, 1.0) / scale64).float()
 
 
 def fused_multiply_add(a: torch.Tensor, b: torch.Tensor, c) -> torch.Tensor:
@@ -250,5 +256,8 @@ def stored_bf16(t: torch.Tensor) -> torch.Tensor:
     nearest even on the bits (a no-op on a value already bfloat16) gives TE's input back."""
     f = t.float()
     bits = f.view(torch.int32)
-    rounded = ((bits + (0x7FFF + ((bits >> 16) & 1))) & _BF16_BITS).view(torch.float32)
-    return torch.where(torch.isnan(f), f, rounded)  # NaN payloads may carry into the sign
+    # 0x7FFF plus bit 16 (the kept bits' last), chosen rather than shifted out: the same add
+    odd = (bits & 0x10000) != 0
+    bias = torch.where(odd, torch.full_like(bits, 0x8000), torch.full_like(bits, 0x7FFF))
+    rounded = ((bits + bias) & _BF16_BITS).view(torch.float32)
+    return torch.where(f != f, f, rounded)  # NaN payloads may carry into the sign

@@ -36,8 +36,9 @@ _KERNEL = re.compile(r"\n(triton_\w+) = async_compile\.triton\('\w+', '''(.*?)''
 
 
 def rounds_to_bf16(source: str, kernel: str) -> bool:
-    """Whether `kernel`'s Triton code has quantize.stored_bf16's bit arithmetic (a shift)."""
-    return ">>" in dict(_KERNEL.findall(source))[kernel]
+    """Whether `kernel`'s Triton code has quantize.stored_bf16's bit arithmetic (its mask of the
+    bits a bfloat16 keeps, 0xFFFF0000 as int32)."""
+    return "-65536" in dict(_KERNEL.findall(source))[kernel]
 
 
 def kernels_reading(source: str) -> dict[tuple[int, ...], list[str]]:
