@@ -176,12 +176,12 @@ esac
 status=${PIPESTATUS[0]}
 for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   [ -f "$bench" ] || continue
-  # diagnoses run on their own; ab.py, targets.py and profile_split.py need arguments (PART=ab,
+  # diagnoses run on their own; ab.py, targets.py, profile_split.py and profile_ops.py need arguments (PART=ab,
   # the bench parts, profile_step.py's files)
   case "$bench" in
     bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;;
     bench/attention_probe.py | bench/issue_time_probe.py) continue ;;
-    bench/ab.py | bench/targets.py | bench/profile_split.py) continue ;;
+    bench/ab.py | bench/targets.py | bench/profile_split.py | bench/profile_ops.py) continue ;;
   esac
   echo "== $bench" | tee -a "$out/bench.log"
   "$py" "$bench" 2>&1 | tee -a "$out/bench.log"
