@@ -7,7 +7,8 @@ per file.
 Per op (default: the ops named `te_compile::...`; `--match` picks other rows, e.g.
 `aten::(clone|copy_)`): calls per step x CPU total per call = CPU ms per step, torch.profiler's
 own overhead included (compare columns of one host, not a row with the step's issue time).
-The first row is the profiler's CPU total per step. Session 47 used it to find what a
+The first row is the profiler's CPU total per step. "-": not among the table's rows
+(profile_step.py keeps the top 50 by own CPU), not proof of no call. Session 47 used it to find what a
 DelayedScaling step calls that a current-scaling step does not (docs/performance.md).
 """
 
@@ -33,9 +34,10 @@ def read(path: str, match: str) -> tuple[float, dict[str, tuple[float, float]]]:
     total = re.search(r"Self CPU time total: (\S+)", table)
     ops = {}
     for line in table.splitlines():
-        cols = line.split()
-        # name, self CPU %, self CPU, CPU total %, CPU total, CPU avg, ..., # of calls
-        if len(cols) >= 11 and re.search(match, cols[0]) and cols[0] not in ops:
+        # name (may hold spaces), self CPU %, self CPU, CPU total %, CPU total, CPU avg, ...,
+        # # of calls: the 10 numeric columns split from the right
+        cols = line.strip().rsplit(None, 10)
+        if len(cols) == 11 and re.search(match, cols[0]) and cols[0] not in ops:
             ops[cols[0]] = (int(cols[-1]) / steps, _us(cols[5]))
     return _us(total.group(1)) / steps / 1e3, ops
 
