@@ -1,7 +1,7 @@
 """Kernel launches inductor generates for one compiled fwd+bwd step, counted without a GPU.
 
     python bench/kernel_count.py [--recipes current,delayed,block,bf16,torch] [--hidden 1024]
-        [--tokens 512]
+        [--tokens 512] [--graph-fp8 auto|on|off]
 
 One te.TransformerLayer (causal, heads of 64; "bf16": no FP8; "torch": bench/stacks.py's plain
 PyTorch block of the same shape) is traced under te_compile.simulate_gpu("hopper")
@@ -127,6 +127,9 @@ def _inputs_outputs(code: str) -> tuple[int, int]:
     return (len(unpacked.group(1).split(", ")) if unpacked else 0), outputs
 
 
+GRAPH_FP8 = {"auto": None, "on": True, "off": False}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--recipes", default="current,delayed")
@@ -137,12 +140,20 @@ def main() -> None:
         default="",
         help="inductor config, e.g. combo_kernels=1,triton.cooperative_reductions=1",
     )
+    p.add_argument(
+        "--graph-fp8",
+        choices=sorted(GRAPH_FP8),
+        default="auto",
+        help="te_compile.configure(graph_fp8=...): auto (None), on (True), off (TE's kernels)",
+    )
     args = p.parse_args()
     inductor = inductor_options(args.inductor)
     te_compile.patch()
+    te_compile.configure(graph_fp8=GRAPH_FP8[args.graph_fp8])
     print(
         f"1 x te.TransformerLayer, hidden {args.hidden}, {args.tokens} tokens, "
-        f"torch {torch.__version__}, inductor: {args.inductor or 'defaults'}"
+        f"torch {torch.__version__}, inductor: {args.inductor or 'defaults'}, "
+        f"graph_fp8: {args.graph_fp8}"
     )
     print(
         "| recipe | graph | Triton kernels | launches | MB moved | inputs / outputs "
