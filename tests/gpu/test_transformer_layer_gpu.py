@@ -190,6 +190,7 @@ def test_dropout_same_seed_as_eager(case_name, patched, monkeypatch):
     [
         ("rope_s128", "current"),  # the layer: split QKV parameters (TE's default)
         ("fused_qkv_s128", "none"),  # one QKV parameter: one packed QKV buffer
+        ("rope_s128", "delayed"),  # DelayedScaling's state under CUDA graphs (session 48)
     ],
 )
 def test_reduce_overhead_no_cudagraph_skips(case_name, recipe_name, patched):
