@@ -172,6 +172,10 @@ case "${PART:-all}" in
     exit "${PIPESTATUS[0]}" ;;
   diag) "$py" bench/varying_length_parity.py "$@" 2>&1 | tee "$out/diag.log"
         exit "${PIPESTATUS[0]}" ;;
+  # Session 48's open failure (DelayedScaling on TE's kernels under CUDA graphs): where the
+  # stack's CUDA-graph steps part from default mode; bench/cudagraph_parity.py's flags bisect.
+  cgparity) "$py" bench/cudagraph_parity.py "$@" 2>&1 | tee "$out/cgparity.log"
+        exit "${PIPESTATUS[0]}" ;;
   all) files=(tests) ;;
   *) echo "gpu_suite.sh: no part named $PART" >&2; exit 2 ;;  # refused above already
 esac
@@ -184,6 +188,7 @@ for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   # the bench parts, profile_step.py's files)
   case "$bench" in
     bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;;
+    bench/cudagraph_parity.py) continue ;;
     bench/attention_probe.py | bench/issue_time_probe.py) continue ;;
     bench/ab.py | bench/targets.py | bench/profile_split.py | bench/profile_ops.py) continue ;;
   esac

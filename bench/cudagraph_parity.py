@@ -1,0 +1,132 @@
+"""Where a DelayedScaling TransformerLayer stack under CUDA graphs parts from the same steps in
+default mode: a diagnosis table, one GPU (session 48's open failure).
+
+    python bench/cudagraph_parity.py [--graph-fp8 off] [--recipe delayed] [--steps 4]
+        [--layers 4] [--dropout 0.1] [--no-bias] [--activation gelu] [--normalization LayerNorm]
+        [--autocast inside]
+
+Session 48 (H200, torch 2.11, TE 2.20.2): tests/gpu/test_cudagraph_loops_gpu.py's
+`test_transformer_stack_cuda_graphs_delayed` (4 te.TransformerLayers, H=1024, FFN 4096, 16
+heads, TE's defaults: LayerNorm, GELU, biases, dropout 0.1; [512, 1, 1024] inputs requiring
+grad; AdamW) failed on TE's kernels (`TE_COMPILE_GRAPH_FP8=0`) in 3 of 3 cases run: the steps
+under `mode="reduce-overhead"` differed from default mode's by up to 0.22-0.31, with 0
+cudagraph skips. On the default path (the graph path for these GEMMs) all six cases pass, and on
+TE's kernels the same file's Llama-style loops (RMSNorm, SwiGLU, no bias, no dropout) pass.
+
+This runs that stack in default mode, then a fresh copy under CUDA graphs with the same seeds,
+and prints per step whether the output and the input gradient are bit-identical and which
+modules' DelayedScaling scales and histories differ after the step (forward and backward
+directions apart). Reading it: a forward state that differs first points at the forward ops or
+the autocast exit's update; a backward state first, at the backward ops (their grad casts and
+updates); outputs that differ with equal state at a forward op's arithmetic or inputs. The flags
+take one suspect out at a time: `--dropout 0` (the random masks), `--no-bias` (TE's fused dbias
+casts), `--activation swiglu`, `--normalization RMSNorm` (the Llama-style modules that passed),
+`--layers 1`, `--autocast outside` (the exit's update eager and deferred).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GRAPH_FP8 = {"auto": None, "on": True, "off": False}
+HIDDEN, FFN, HEADS, TOKENS = 1024, 4096, 16, 512
+
+
+def stack_steps(args, graphs: bool) -> list[dict]:
+    """Per step: the output, the input gradient and every module's DelayedScaling state."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch import quantization as q
+    from varying_length_parity import RECIPES, state_of
+
+    torch._dynamo.reset()
+    q.FP8GlobalStateManager.reset()
+    torch.manual_seed(0)
+    options = dict(hidden_dropout=args.dropout, attention_dropout=args.dropout, bias=args.bias)
+    options |= dict(activation=args.activation, normalization=args.normalization)
+    layers = torch.nn.Sequential(
+        *[
+            te.TransformerLayer(HIDDEN, FFN, HEADS, params_dtype=torch.bfloat16, **options)
+            for _ in range(args.layers)
+        ]
+    ).cuda()
+    opt = torch.optim.AdamW(layers.parameters(), lr=1e-3)
+    recipe = RECIPES[args.recipe]()
+    inside = args.autocast == "inside"
+
+    def forward(x):
+        with te.autocast(recipe=recipe):
+            return layers(x)
+
+    mode = "reduce-overhead" if graphs else None
+    compiled = torch.compile(forward if inside else layers, fullgraph=True, mode=mode)
+    torch.manual_seed(1)
+    records = []
+    for _ in range(args.steps):
+        x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        if inside:
+            y = compiled(x)
+        else:
+            with te.autocast(recipe=recipe):
+                y = compiled(x)
+        y.float().square().mean().backward()
+        records.append({"output": y.detach().clone(), "dgrad": x.grad.clone(), **state_of(layers)})
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    return records
+
+
+def differences(got: dict, want: dict) -> list[tuple[str, float]]:
+    """(name, max |diff|) of every tensor not bit-identical, in `want`'s order."""
+    out = []
+    for name, w in want.items():
+        g = got[name]
+        if not torch.equal(g, w):
+            out.append((name, (g.float() - w.float()).abs().nan_to_num(float("inf")).max().item()))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--graph-fp8", choices=sorted(GRAPH_FP8), default="off")
+    p.add_argument("--recipe", default="delayed", choices=("delayed", "current"))
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--no-bias", dest="bias", action="store_false")
+    p.add_argument("--activation", default="gelu")
+    p.add_argument("--normalization", default="LayerNorm")
+    p.add_argument("--autocast", choices=("inside", "outside"), default="inside")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/cudagraph_parity.py needs a CUDA GPU (see --help)")
+    from torch._dynamo.utils import counters
+
+    import te_compile
+
+    te_compile.patch()
+    te_compile.configure(graph_fp8=GRAPH_FP8[args.graph_fp8])
+    default = stack_steps(args, graphs=False)
+    counters.clear()
+    graphed = stack_steps(args, graphs=True)
+    skips = counters["inductor"]["cudagraph_skips"]
+    print(f"{vars(args)}; cudagraph skips: {skips}")
+    print("| step | output | dgrad | DelayedScaling tensors differing (max abs diff), first 6 |")
+    print("|---|---|---|---|")
+    for step, (g, w) in enumerate(zip(graphed, default, strict=True)):
+        diffs = dict(differences(g, w))
+        cells = [f"{diffs[k]:.3g}" if k in diffs else "same" for k in ("output", "dgrad")]
+        state = [f"{k} ({v:.3g})" for k, v in diffs.items() if k not in ("output", "dgrad")]
+        print(f"| {step} | {' | '.join(cells)} | {', '.join(state[:6]) or 'none'} |")
+
+
+if __name__ == "__main__":
+    main()
