@@ -3,7 +3,7 @@ default mode: a diagnosis table, one GPU (session 48's open failure).
 
     python bench/cudagraph_parity.py [--graph-fp8 off] [--recipe delayed] [--steps 4]
         [--layers 4] [--dropout 0.1] [--no-bias] [--activation gelu] [--normalization LayerNorm]
-        [--autocast inside]
+        [--autocast inside] [--control]
 
 Session 48 (H200, torch 2.11, TE 2.20.2): tests/gpu/test_cudagraph_loops_gpu.py's
 `test_transformer_stack_cuda_graphs_delayed` (4 te.TransformerLayers, H=1024, FFN 4096, 16
@@ -21,7 +21,9 @@ the autocast exit's update; a backward state first, at the backward ops (their g
 updates); outputs that differ with equal state at a forward op's arithmetic or inputs. The flags
 take one suspect out at a time: `--dropout 0` (the random masks), `--no-bias` (TE's fused dbias
 casts), `--activation swiglu`, `--normalization RMSNorm` (the Llama-style modules that passed),
-`--layers 1`, `--autocast outside` (the exit's update eager and deferred).
+`--layers 1`, `--autocast outside` (the exit's update eager and deferred). `--control` runs
+default mode twice instead: if those two differ, the path is not reproducible from run to run at
+this shape and the CUDA graphs are not the cause. Run it first.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def main() -> None:
     p.add_argument("--activation", default="gelu")
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--autocast", choices=("inside", "outside"), default="inside")
+    p.add_argument("--control", action="store_true", help="default mode twice (no CUDA graphs)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/cudagraph_parity.py needs a CUDA GPU (see --help)")
@@ -116,9 +119,10 @@ def main() -> None:
     te_compile.configure(graph_fp8=GRAPH_FP8[args.graph_fp8])
     default = stack_steps(args, graphs=False)
     counters.clear()
-    graphed = stack_steps(args, graphs=True)
+    graphed = stack_steps(args, graphs=not args.control)
     skips = counters["inductor"]["cudagraph_skips"]
     print(f"{vars(args)}; cudagraph skips: {skips}")
+    print("(second run: default mode again)" if args.control else "(second run: CUDA graphs)")
     print("| step | output | dgrad | DelayedScaling tensors differing (max abs diff), first 6 |")
     print("|---|---|---|---|")
     for step, (g, w) in enumerate(zip(graphed, default, strict=True)):
