@@ -36,7 +36,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-GRAPH_FP8 = {"auto": None, "on": True, "off": False}
+from kernel_count import GRAPH_FP8  # noqa: E402  (--graph-fp8's values, as kernel_count takes them)
+
 HIDDEN, FFN, HEADS, TOKENS = 1024, 4096, 16, 512
 
 

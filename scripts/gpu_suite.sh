@@ -97,7 +97,8 @@ case "${PART:-all}" in
             $g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k "current or delayed") ;;
   # The CUDA-graph loops on TE's kernels: under mode="reduce-overhead" docs/training.md
-  # recommends graph_fp8=False (session 48), so the loop orders run on that path too.
+  # recommends graph_fp8=False for current scaling, so the loop orders run on that path too
+  # (session 48: DelayedScaling's TransformerLayer stack fails there, cause open).
   3loops) export TE_COMPILE_GRAPH_FP8=0
      files=($g/test_cudagraph_loops_gpu.py -k "current or delayed") ;;
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
@@ -188,8 +189,7 @@ for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do
   # the bench parts, profile_step.py's files)
   case "$bench" in
     bench/gpt_parity.py | bench/varying_length_parity.py | bench/fsdp2_delayed_probe.py) continue ;;
-    bench/cudagraph_parity.py) continue ;;
-    bench/attention_probe.py | bench/issue_time_probe.py) continue ;;
+    bench/cudagraph_parity.py | bench/attention_probe.py | bench/issue_time_probe.py) continue ;;
     bench/ab.py | bench/targets.py | bench/profile_split.py | bench/profile_ops.py) continue ;;
   esac
   echo "== $bench" | tee -a "$out/bench.log"
