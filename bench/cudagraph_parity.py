@@ -50,7 +50,9 @@ def stack_steps(args, graphs: bool) -> list[dict]:
     torch._dynamo.reset()
     q.FP8GlobalStateManager.reset()
     torch.manual_seed(0)
-    options = dict(hidden_dropout=args.dropout, attention_dropout=args.dropout, bias=args.bias)
+    hidden = args.dropout if args.hidden_dropout is None else args.hidden_dropout
+    attention = args.dropout if args.attention_dropout is None else args.attention_dropout
+    options = dict(hidden_dropout=hidden, attention_dropout=attention, bias=args.bias)
     options |= dict(activation=args.activation, normalization=args.normalization)
     layers = torch.nn.Sequential(
         *[
@@ -80,7 +82,9 @@ def stack_steps(args, graphs: bool) -> list[dict]:
             with te.autocast(recipe=recipe):
                 y = compiled(x)
         y.float().square().mean().backward()
+        grads = {f"grad:{n}": p.grad.clone() for n, p in layers.named_parameters()}
         records.append({"output": y.detach().clone(), "dgrad": x.grad.clone(), **state_of(layers)})
+        records[-1] |= grads
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
@@ -104,10 +108,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--hidden-dropout", type=float, help="instead of --dropout's")
+    p.add_argument("--attention-dropout", type=float, help="instead of --dropout's")
     p.add_argument("--no-bias", dest="bias", action="store_false")
     p.add_argument("--activation", default="gelu")
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--autocast", choices=("inside", "outside"), default="inside")
+    p.add_argument(
+        "--warm", action="store_true", help="compile and run one step first, results unused"
+    )
     p.add_argument("--control", action="store_true", help="default mode twice (no CUDA graphs)")
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -118,19 +127,29 @@ def main() -> None:
 
     te_compile.patch()
     te_compile.configure(graph_fp8=GRAPH_FP8[args.graph_fp8])
+    if args.warm:
+        stack_steps(argparse.Namespace(**(vars(args) | {"steps": 1})), graphs=False)
     default = stack_steps(args, graphs=False)
     counters.clear()
     graphed = stack_steps(args, graphs=not args.control)
     skips = counters["inductor"]["cudagraph_skips"]
     print(f"{vars(args)}; cudagraph skips: {skips}")
     print("(second run: default mode again)" if args.control else "(second run: CUDA graphs)")
-    print("| step | output | dgrad | DelayedScaling tensors differing (max abs diff), first 6 |")
-    print("|---|---|---|---|")
+    print(
+        "| step | output | dgrad | DelayedScaling tensors differing (max abs diff), first 6 "
+        "| parameter gradients differing, first 6 |"
+    )
+    print("|---|---|---|---|---|")
     for step, (g, w) in enumerate(zip(graphed, default, strict=True)):
         diffs = dict(differences(g, w))
         cells = [f"{diffs[k]:.3g}" if k in diffs else "same" for k in ("output", "dgrad")]
-        state = [f"{k} ({v:.3g})" for k, v in diffs.items() if k not in ("output", "dgrad")]
-        print(f"| {step} | {' | '.join(cells)} | {', '.join(state[:6]) or 'none'} |")
+        rest = [(k, v) for k, v in diffs.items() if k not in ("output", "dgrad")]
+        state = [f"{k} ({v:.3g})" for k, v in rest if not k.startswith("grad:")]
+        grads = [f"{k[5:]} ({v:.3g})" for k, v in rest if k.startswith("grad:")]
+        print(
+            f"| {step} | {' | '.join(cells)} | {', '.join(state[:6]) or 'none'} "
+            f"| {', '.join(grads[:6]) or 'none'} ({len(grads)} in all) |"
+        )
 
 
 if __name__ == "__main__":

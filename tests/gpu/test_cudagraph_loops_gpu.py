@@ -157,9 +157,39 @@ STACK_SEQUENCES = {
     "after_eager": [(None, 2), ("reduce-overhead", 4)],
     "after_default": [("default", 2), ("reduce-overhead", 4)],
 }
+WARM_UP = [("default", 1)]
 
 
-def stack_run(name: str, recipe, autocast_inside: bool, graphs: bool):
+@functools.cache
+def warm_up_stack() -> None:
+    """One compiled step of the stack, so that every te_compile op has been lowered once in
+    this process (see `later_compiles`)."""
+    stack_run(None, recipe_for("delayed"), True, graphs=False)
+    FGS.reset()
+    torch._dynamo.reset()
+
+
+@pytest.fixture
+def later_compiles(monkeypatch):
+    """Both compared runs compiled afresh, after an earlier compile in this process.
+
+    Inductor lowers an input of a custom op that has other users (here the dropout's gradient,
+    read by LayerNormMLP's backward op and by the bias gradient's sum) differently before and
+    after that op's first lowering in the process: the op joins inductor's
+    `needs_realized_inputs` only when it first lowers. So a process's first compile may recompute
+    the input in float32 inside the fused sum where later compiles sum the stored bfloat16
+    buffer, and the FX graph cache replays whichever schedule was compiled first. Session 49
+    (H200, torch 2.11): the stack's first compile parted from later ones by 1 ulp of a bias
+    gradient, in default mode as much as under CUDA graphs, then by up to 0.4 in the output
+    after DelayedScaling's updates. This test compares CUDA graphs with default mode, so both
+    sides are later compiles with the caches off."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
+    warm_up_stack()
+
+
+def stack_run(name: str | None, recipe, autocast_inside: bool, graphs: bool):
     import transformer_engine.pytorch as te
 
     torch.manual_seed(0)
@@ -175,7 +205,7 @@ def stack_run(name: str, recipe, autocast_inside: bool, graphs: bool):
     compiled = {}
     outputs = []
     torch.manual_seed(1)
-    for mode, steps in STACK_SEQUENCES[name]:
+    for mode, steps in STACK_SEQUENCES[name] if name else WARM_UP:
         mode = "default" if mode == "reduce-overhead" and not graphs else mode
         if mode is not None and mode not in compiled:
             target = forward if autocast_inside else layers
@@ -201,7 +231,7 @@ def stack_run(name: str, recipe, autocast_inside: bool, graphs: bool):
 
 @pytest.mark.parametrize("autocast_inside", [True, False], ids=["autocast_inside", "outside"])
 @pytest.mark.parametrize("sequence", list(STACK_SEQUENCES))
-def test_transformer_stack_cuda_graphs_delayed(sequence, autocast_inside, patched):
+def test_transformer_stack_cuda_graphs_delayed(sequence, autocast_inside, patched, later_compiles):
     skip_unless_supported("delayed")
     recipe = recipe_for("delayed")
     default = stack_run(sequence, recipe, autocast_inside, graphs=False)
