@@ -24,6 +24,12 @@ casts), `--activation swiglu`, `--normalization RMSNorm` (the Llama-style module
 `--layers 1`, `--autocast outside` (the exit's update eager and deferred). `--control` runs
 default mode twice instead: if those two differ, the path is not reproducible from run to run at
 this shape and the CUDA graphs are not the cause. Run it first.
+
+Session 49 found the cause this way: default mode twice with inductor's caches off
+(`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 ... --control`) differs exactly as the CUDA-graph run
+does, and with `--warm` (one compile first, results unused) both comparisons are bit-identical:
+a process's first compile is scheduled differently from later ones (docs/performance.md,
+session 49). `--control` with the caches on reads the first compile's cached code and so agrees.
 """
 
 from __future__ import annotations

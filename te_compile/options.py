@@ -18,8 +18,7 @@ class Options:
     # the step (graph_fp8/linear.py's AUTO_MAX_MACS), where the two paths agree bit for bit;
     # True: wherever it applies; False: never. docs/graph_fp8.md. Under CUDA graphs
     # (mode="reduce-overhead") False measured faster: a replayed step costs its kernels' GPU
-    # time, and TE's fused kernels take less than the graph path's. With DelayedScaling see
-    # docs/training.md's "Known differences" first.
+    # time, and TE's fused kernels take less than the graph path's (docs/training.md).
     graph_fp8: bool | None = None
     # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
