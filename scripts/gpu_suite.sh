@@ -97,8 +97,8 @@ case "${PART:-all}" in
             $g/test_layernorm_linear_gpu.py $g/test_layernorm_mlp_gpu.py
             $g/test_transformer_layer_gpu.py $g/test_models_gpu.py -k "current or delayed") ;;
   # The CUDA-graph loops on TE's kernels: under mode="reduce-overhead" docs/training.md
-  # recommends graph_fp8=False for current scaling, so the loop orders run on that path too
-  # (session 48: DelayedScaling's TransformerLayer stack fails there, cause open).
+  # recommends graph_fp8=False, so the loop orders run on that path too (session 48's stack
+  # failure there was a process's first compile: session 49).
   3loops) export TE_COMPILE_GRAPH_FP8=0
      files=($g/test_cudagraph_loops_gpu.py -k "current or delayed") ;;
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
