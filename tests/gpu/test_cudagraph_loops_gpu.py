@@ -170,7 +170,7 @@ def warm_up_stack() -> None:
 
 
 @pytest.fixture
-def later_compiles(monkeypatch):
+def later_compiles():
     """Both compared runs compiled afresh, after an earlier compile in this process.
 
     A process's first compile lowers an input of a custom op that has other users (here the
@@ -183,10 +183,9 @@ def later_compiles(monkeypatch):
     gradient, in default mode as much as under CUDA graphs, then by up to 0.4 in the output
     after DelayedScaling's updates. This test compares CUDA graphs with default mode, so both
     sides are later compiles with the caches off."""
-    import torch._inductor.config as inductor_config
-
-    monkeypatch.setattr(inductor_config, "force_disable_caches", True)
-    warm_up_stack()
+    with torch.compiler.config.patch(force_disable_caches=True):
+        warm_up_stack()
+        yield
 
 
 def stack_run(name: str | None, recipe, autocast_inside: bool, graphs: bool):
