@@ -8,7 +8,8 @@ backward op and by the bias gradient's sum), the first compile recomputes it in 
 the fused sum and later compiles store it in bf16 once and sum the stored values: the bias
 gradient then differs in its last bit. By inductor's graph.py, a multi-user input is realized
 when a user is in `needs_realized_inputs`, which a custom op joins only when it first lowers
-(the second test). These tests pin that behaviour on the CPU with an op of their own (docs/training.md,
+(the second test). These tests pin that behaviour, and the explicit rounding that removes
+its effect on the numbers (the third test), on the CPU with ops of their own (docs/training.md,
 "Known differences"). If the first one fails, torch has changed it: update that entry and
 test_cudagraph_loops_gpu.py's `later_compiles`.
 """
@@ -77,3 +78,20 @@ def test_lowering_the_op_once_anywhere_makes_the_first_compile_a_later_one(no_ca
     torch.compile(lambda t: consume(t + 1), fullgraph=True)(torch.ones(4, dtype=torch.bfloat16))
     first, second = _bias_grads(_dropout_backward_and_bias_grad(consume), 2)
     assert torch.equal(first, second)
+
+
+def test_a_shared_value_rounded_as_stored_gives_both_schedules_the_same_sum(no_caches):
+    """The way around it that the graph path takes (graph_fp8.quantize.stored_bf16): the shared
+    value rounded to bf16 explicitly, a rounding inductor keeps inside a fused kernel too, so
+    the float32 recompute and the stored buffer hold the same values."""
+    from te_compile.graph_fp8.quantize import stored_bf16
+
+    consume = _op("rounded")
+
+    def step(grad, mask):
+        g = stored_bf16(grad * (mask.to(grad.dtype) * (1 / 0.9))).to(torch.bfloat16)
+        bias_grad = g.sum(0)
+        return consume(g), bias_grad
+
+    first, second, third = _bias_grads(step, 3)
+    assert torch.equal(first, second) and torch.equal(second, third)
