@@ -8,7 +8,8 @@ backward op and by the bias gradient's sum), the first compile recomputes it in 
 the fused sum and later compiles store it in bf16 once and sum the stored values: the bias
 gradient then differs in its last bit. By inductor's graph.py, a multi-user input is realized
 when a user is in `needs_realized_inputs`, which a custom op joins only when it first lowers
-(the second test). These tests pin that behaviour, and the explicit rounding that removes
+(the second test; session 21 found this on the CPU with te_compile's own ops and rounded the
+residual stream against it: docs/graph_fp8.md, tests/cpu/test_residual_rounding.py). These tests pin that behaviour, and the explicit rounding that removes
 its effect on the numbers (the third test), on the CPU with ops of their own (docs/training.md,
 "Known differences"). If the first one fails, torch has changed it: update that entry and
 test_cudagraph_loops_gpu.py's `later_compiles`.
