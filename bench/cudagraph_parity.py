@@ -3,7 +3,7 @@ default mode: a diagnosis table, one GPU (session 48's open failure).
 
     python bench/cudagraph_parity.py [--graph-fp8 off] [--recipe delayed] [--steps 4]
         [--layers 4] [--dropout 0.1] [--no-bias] [--activation gelu] [--normalization LayerNorm]
-        [--autocast inside] [--control]
+        [--autocast inside] [--control] [--warm] [--against-eager] [--fallback-random]
 
 Session 48 (H200, torch 2.11, TE 2.20.2): tests/gpu/test_cudagraph_loops_gpu.py's
 `test_transformer_stack_cuda_graphs_delayed` (4 te.TransformerLayers, H=1024, FFN 4096, 16
@@ -30,6 +30,9 @@ Session 49 found the cause this way: default mode twice with inductor's caches o
 does, and with `--warm` (one compile first, results unused) both comparisons are bit-identical:
 a process's first compile is scheduled differently from later ones (docs/performance.md,
 session 49). `--control` with the caches on reads the first compile's cached code and so agrees.
+`--against-eager --control --fallback-random` compares eager TE with default mode under the same
+dropout masks: which of the two schedules eager TE's own compiled bias-dropout-add matches
+(with `--warm`, a later compile; without, with the caches off, a first one).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from kernel_count import GRAPH_FP8  # noqa: E402  (--graph-fp8's values, as kern
 HIDDEN, FFN, HEADS, TOKENS = 1024, 4096, 16, 512
 
 
-def stack_steps(args, graphs: bool) -> list[dict]:
+def stack_steps(args, mode: str) -> list[dict]:
     """Per step: the output, the input gradient and every module's DelayedScaling state."""
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch import quantization as q
@@ -74,8 +77,10 @@ def stack_steps(args, graphs: bool) -> list[dict]:
         with te.autocast(recipe=recipe):
             return layers(x)
 
-    mode = "reduce-overhead" if graphs else None
-    compiled = torch.compile(forward if inside else layers, fullgraph=True, mode=mode)
+    graphs = mode == "reduce-overhead"
+    compiled = forward if inside else layers
+    if mode != "eager":
+        compiled = torch.compile(compiled, fullgraph=True, mode=mode if graphs else None)
     torch.manual_seed(1)
     records = []
     for _ in range(args.steps):
@@ -124,6 +129,18 @@ def main() -> None:
         "--warm", action="store_true", help="compile and run one step first, results unused"
     )
     p.add_argument("--control", action="store_true", help="default mode twice (no CUDA graphs)")
+    p.add_argument(
+        "--against-eager",
+        action="store_true",
+        help="eager TE as the first run (with --control: "
+        "eager against default mode; add --fallback-random for the same dropout masks)",
+    )
+    p.add_argument(
+        "--fallback-random",
+        action="store_true",
+        help="inductor draws dropout through ATen, as "
+        "eager does (torch._inductor.config.fallback_random)",
+    )
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/cudagraph_parity.py needs a CUDA GPU (see --help)")
@@ -133,14 +150,20 @@ def main() -> None:
 
     te_compile.patch()
     te_compile.configure(graph_fp8=GRAPH_FP8[args.graph_fp8])
+    if args.fallback_random:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fallback_random = True
     if args.warm:
-        stack_steps(argparse.Namespace(**(vars(args) | {"steps": 1})), graphs=False)
-    default = stack_steps(args, graphs=False)
+        stack_steps(argparse.Namespace(**(vars(args) | {"steps": 1})), "default")
+    default = stack_steps(args, "eager" if args.against_eager else "default")
     counters.clear()
-    graphed = stack_steps(args, graphs=not args.control)
+    graphed = stack_steps(args, "default" if args.control else "reduce-overhead")
     skips = counters["inductor"]["cudagraph_skips"]
     print(f"{vars(args)}; cudagraph skips: {skips}")
-    print("(second run: default mode again)" if args.control else "(second run: CUDA graphs)")
+    first = "eager TE" if args.against_eager else "default mode"
+    second = "default mode" if args.control else "CUDA graphs"
+    print(f"(first run: {first}; second run: {second})")
     print(
         "| step | output | dgrad | DelayedScaling tensors differing (max abs diff), first 6 "
         "| parameter gradients differing, first 6 |"
