@@ -112,16 +112,21 @@ def differences(got: dict, want: dict) -> list[tuple[str, float]]:
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_layer_flags(p: argparse.ArgumentParser) -> None:
+    """The flags this script shares with first_compile_code.py: path, recipe, dropout, bias."""
     p.add_argument("--graph-fp8", choices=sorted(GRAPH_FP8), default="off")
     p.add_argument("--recipe", default="delayed", choices=("delayed", "current"))
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--no-bias", dest="bias", action="store_false")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_layer_flags(p)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--hidden-dropout", type=float, help="instead of --dropout's")
     p.add_argument("--attention-dropout", type=float, help="instead of --dropout's")
-    p.add_argument("--no-bias", dest="bias", action="store_false")
     p.add_argument("--activation", default="gelu")
     p.add_argument("--normalization", default="LayerNorm")
     p.add_argument("--autocast", choices=("inside", "outside"), default="inside")

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from cudagraph_parity import add_layer_flags  # noqa: E402
 from kernel_count import GRAPH_FP8  # noqa: E402
 
 
@@ -82,10 +83,7 @@ def kernel_calls(source: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--graph-fp8", choices=sorted(GRAPH_FP8), default="off")
-    p.add_argument("--recipe", default="delayed", choices=("delayed", "current"))
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--no-bias", dest="bias", action="store_false")
+    add_layer_flags(p)
     p.add_argument("--hidden", type=int, default=1024)
     args = p.parse_args()
     import te_compile
