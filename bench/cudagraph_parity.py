@@ -1,5 +1,5 @@
 """Where a DelayedScaling TransformerLayer stack under CUDA graphs parts from the same steps in
-default mode: a diagnosis table, one GPU (session 48's open failure).
+default mode: a diagnosis table, one GPU (session 48's failure; session 49's finding below).
 
     python bench/cudagraph_parity.py [--graph-fp8 off] [--recipe delayed] [--steps 4]
         [--layers 4] [--dropout 0.1] [--no-bias] [--activation gelu] [--normalization LayerNorm]

@@ -9,16 +9,19 @@ the fused sum and later compiles store it in bf16 once and sum the stored values
 gradient then differs in its last bit. By inductor's graph.py, a multi-user input is realized
 when a user is in `needs_realized_inputs`, which a custom op joins only when it first lowers
 (the second test; session 21 found this on the CPU with te_compile's own ops and rounded the
-residual stream against it: docs/graph_fp8.md, tests/cpu/test_residual_rounding.py). These tests pin that behaviour, and the explicit rounding that removes
-its effect on the numbers (the third test), on the CPU with ops of their own (docs/training.md,
-"Known differences"). If the first one fails, torch has changed it: update that entry and
-test_cudagraph_loops_gpu.py's `later_compiles`.
+residual stream against it: docs/graph_fp8.md, tests/cpu/test_residual_rounding.py). These
+tests pin that behaviour, and the explicit rounding that removes its effect on the numbers (the
+third test), on the CPU with ops of their own (docs/training.md, "Known differences"). If the
+first one fails, torch has changed it: update that entry and test_cudagraph_loops_gpu.py's
+`later_compiles`.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from te_compile.graph_fp8.quantize import stored_bf16
 
 
 def _op(name: str):
@@ -33,9 +36,11 @@ def _op(name: str):
     return consume
 
 
-def _dropout_backward_and_bias_grad(consume):
+def _dropout_backward_and_bias_grad(consume, rounded: bool = False):
     def step(grad, mask):
         g = grad * (mask.to(grad.dtype) * (1 / 0.9))  # the dropout's backward, in bf16
+        if rounded:  # as stored, explicitly (a rounding inductor keeps in a fused kernel)
+            g = stored_bf16(g).to(torch.bfloat16)
         bias_grad = g.sum(0)
         return consume(g), bias_grad
 
@@ -85,14 +90,6 @@ def test_a_shared_value_rounded_as_stored_gives_both_schedules_the_same_sum(no_c
     """The way around it that the graph path takes (graph_fp8.quantize.stored_bf16): the shared
     value rounded to bf16 explicitly, a rounding inductor keeps inside a fused kernel too, so
     the float32 recompute and the stored buffer hold the same values."""
-    from te_compile.graph_fp8.quantize import stored_bf16
-
-    consume = _op("rounded")
-
-    def step(grad, mask):
-        g = stored_bf16(grad * (mask.to(grad.dtype) * (1 / 0.9))).to(torch.bfloat16)
-        bias_grad = g.sum(0)
-        return consume(g), bias_grad
-
+    step = _dropout_backward_and_bias_grad(_op("rounded"), rounded=True)
     first, second, third = _bias_grads(step, 3)
     assert torch.equal(first, second) and torch.equal(second, third)

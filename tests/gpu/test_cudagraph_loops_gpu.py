@@ -179,11 +179,11 @@ def later_compiles():
     the fused sum, where later compiles sum the stored bfloat16 buffer (by torch 2.11's
     graph.py, the op joins inductor's `needs_realized_inputs` only when it first lowers;
     docs/graph_fp8.md, "Why the first compile in a process differs"). The FX graph cache
-    replays whichever schedule was compiled first. Session 49
-    (H200, torch 2.11): the stack's first compile parted from later ones by 1 ulp of a bias
-    gradient, in default mode as much as under CUDA graphs, then by up to 0.4 in the output
-    after DelayedScaling's updates. This test compares CUDA graphs with default mode, so both
-    sides are later compiles with the caches off."""
+    replays whichever schedule was compiled first. Session 49 (H200, torch 2.11): the stack's
+    first compile parted from later ones by 1 ulp of a bias gradient, in default mode as much
+    as under CUDA graphs, then by up to 0.4 in the output after DelayedScaling's updates. This
+    test compares CUDA graphs with default mode, so both sides are later compiles with the
+    caches off."""
     with torch.compiler.config.patch(force_disable_caches=True):
         warm_up_stack()
         yield

@@ -252,9 +252,10 @@ def test_microbatches_match_eager(name, fuse, patched):
 @pytest.mark.parametrize("name", ["current", "delayed"])
 def test_reduce_overhead_matches_eager(name, patched):
     """CUDA graphs (inductor's cudagraph trees) over 5 training steps, step by step equal to
-    eager TE (the eager sequence runs first). DelayedScaling since session 48: on TE's kernels
-    (`PART=3`) a TransformerLayer stack under CUDA graphs parted from default mode, and this
-    module (bias, GELU: TE's fused dbias casts) had no DelayedScaling case under CUDA graphs."""
+    eager TE (the eager sequence runs first). DelayedScaling since session 48: this module
+    (bias, GELU: TE's fused dbias casts) had no DelayedScaling case under CUDA graphs when a
+    TransformerLayer stack there parted from default mode (a first-compile effect, session 49:
+    docs/training.md)."""
     skip_unless_supported(name)
 
     def steps(compiled: bool):
