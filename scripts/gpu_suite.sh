@@ -99,8 +99,9 @@ case "${PART:-all}" in
   # The CUDA-graph loops on TE's kernels: under mode="reduce-overhead" docs/training.md
   # recommends graph_fp8=False, so the loop orders run on that path too (session 48's stack
   # failure there was a process's first compile: session 49).
+  # test_first_compile_gpu.py: a process's first compile with dropout (session 50).
   3loops) export TE_COMPILE_GRAPH_FP8=0
-     files=($g/test_cudagraph_loops_gpu.py -k "current or delayed") ;;
+     files=($g/test_cudagraph_loops_gpu.py $g/test_first_compile_gpu.py -k "current or delayed") ;;
   # The graph path's own files, and the training-stack files (CUDA-graph loops, checkpointing):
   # each about 5-8 minutes on an H100 whole; `-k delayed` and the like cut them down.
   graph) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py
@@ -114,7 +115,7 @@ case "${PART:-all}" in
   # `triton_history_update` (on by default since session 43): its kernel against TE's update,
   # modules trained with it on, and with it off (the graph operations)
   history) files=($g/test_history_kernel_gpu.py $g/test_history_graph_ops_gpu.py) ;;
-  stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py) ;;
+  stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py $g/test_first_compile_gpu.py) ;;
   # PART=stack in parts of at most about 9 minutes each on an H100 (session 21's timings)
   checkpoint) files=($g/test_checkpoint_gpu.py) ;;
   loops1) files=($g/test_cudagraph_loops_gpu.py -k whatever_ran_before) ;;

@@ -10,6 +10,14 @@ docs/graph_fp8.md). Here both the value and its gradient are rounded as a store 
 them (graph_fp8.quantize.stored_bf16's bit arithmetic, which inductor keeps), so they hold under
 inductor's defaults; under `emulate_precision_casts` they change nothing. bf16 layers only: an
 fp16 or fp32 layer's adds pass as they are.
+
+The dropout's gradient too (session 50): eager TE's compiled add returns it stored in bf16 and
+sums that for the bias gradient. Compiled whole, it has two readers (the bias gradient's sum and
+the module's backward op), and a process's first inductor compile recomputes it in float32
+inside the sum while later compiles store it first (docs/graph_fp8.md, "Why the first compile in
+a process differs"), so the first compile's bias gradient was 1 ulp off eager TE's. The bias is
+added here, before TE's unfused add (the same arithmetic as its fused one), through an identity
+that rounds the gradient as stored.
 """
 
 from __future__ import annotations
@@ -37,12 +45,27 @@ class StoredAsEager(torch.autograd.Function):
         return _as_stored(grad)
 
 
+class GradientStoredAsEager(torch.autograd.Function):
+    """Identity in value whose gradient is rounded as eager TE stores it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return _as_stored(grad)
+
+
 def make_bias_dropout_add(original):
-    def _bias_dropout_add(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        if torch.compiler.is_compiling() and out.dtype == torch.bfloat16:
-            return StoredAsEager.apply(out)
-        return out
+    def _bias_dropout_add(self, hidden_state, bias, residual, drop_path=None):
+        if not (torch.compiler.is_compiling() and hidden_state.dtype == torch.bfloat16):
+            return original(self, hidden_state, bias, residual, drop_path)
+        if bias is not None and bias.numel() != 0:
+            hidden_state = GradientStoredAsEager.apply(hidden_state + bias)
+            bias = None  # TE's unfused path: dropout(hidden_state), drop_path, residual + out
+        out = original(self, hidden_state, bias, residual, drop_path)
+        return StoredAsEager.apply(out) if out.dtype == torch.bfloat16 else out
 
     _bias_dropout_add.__doc__ = original.__doc__
     return _bias_dropout_add
