@@ -84,7 +84,8 @@ def stack_steps(args, mode: str) -> list[dict]:
     torch.manual_seed(1)
     records = []
     for _ in range(args.steps):
-        x = torch.randn(TOKENS, 1, HIDDEN, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        x = torch.randn(args.tokens, 1, HIDDEN, device="cuda", dtype=torch.bfloat16)
+        x.requires_grad_()
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
         if inside:
@@ -115,11 +116,13 @@ def differences(got: dict, want: dict) -> list[tuple[str, float]]:
 
 
 def add_layer_flags(p: argparse.ArgumentParser) -> None:
-    """The flags this script shares with first_compile_code.py: path, recipe, dropout, bias."""
+    """The flags this script shares with first_compile_code.py: path, recipe, dropout, bias,
+    tokens."""
     p.add_argument("--graph-fp8", choices=sorted(GRAPH_FP8), default="off")
     p.add_argument("--recipe", default="delayed", choices=("delayed", "current"))
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--no-bias", dest="bias", action="store_false")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="sequence length (batch 1)")
 
 
 def main() -> None:

@@ -53,7 +53,7 @@ def compiled_sources(args) -> list[str]:
             attention_dropout=args.dropout,
             bias=args.bias,
         ).cuda()
-        x = torch.randn(512, 1, args.hidden, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(args.tokens, 1, args.hidden, device="cuda", dtype=torch.bfloat16)
         x.requires_grad_()
     recipe = RECIPES[args.recipe]()
 

@@ -70,6 +70,8 @@ LAYER_CASES = {
     "no_bias": LayerCase(dict(bias=False)),
     "rmsnorm_swiglu": LayerCase(dict(normalization="RMSNorm", activation="swiglu")),
     "dropout": LayerCase(dict(hidden_dropout=0.1, attention_dropout=0.1)),
+    # 256 tokens: enough that inductor splits the bias gradient's sum (test_transformer_layer_gpu)
+    "dropout_s128": LayerCase(dict(hidden_dropout=0.1, attention_dropout=0.1), seq=128),
     # The Llama-style layer of TE's HF-Llama tutorial.
     "llama": LayerCase(
         dict(

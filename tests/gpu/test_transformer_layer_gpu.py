@@ -148,7 +148,7 @@ def check(case_name, recipe_name, monkeypatch, *, exact=True, inductor=EAGER_ROU
 # One layer per option set of tests/attention_cases.py, the Hopper recipes spread over them in
 # turn (a layer compile each, 10-30 s). Random cases (dropout, drop path) are compared under one
 # seed below; the sequence-128 cases are the reduce-overhead ones.
-_RANDOM = {"dropout", "drop_path"}
+_RANDOM = {"dropout", "dropout_s128", "drop_path"}
 _RECIPES = ("none", "current", "block", "delayed")
 MATRIX = [
     (name, _RECIPES[i % len(_RECIPES)])
@@ -174,13 +174,23 @@ def test_llama_layer_three_steps_delayed(patched, monkeypatch):
     check("llama", "delayed", monkeypatch, n=3, lr=0.01)
 
 
-@pytest.mark.parametrize("case_name", sorted(_RANDOM))
+# 64 tokens: eager TE's own compiled bias-dropout-add keeps the bias gradient's sum unsplit and
+# fused with the dropout's gradient, so it sums that gradient unrounded; te-compile sums it as
+# stored, as eager does at 256 tokens and more (modules/transformer_layer.py, session 50).
+_TINY = pytest.mark.xfail(strict=True, reason="bias gradient 1 ulp: eager's fused tiny sum")
+
+
+@pytest.mark.parametrize(
+    "case_name", [pytest.param(n, marks=_TINY) if n == "dropout" else n for n in sorted(_RANDOM)]
+)
 def test_dropout_same_seed_as_eager(case_name, patched, monkeypatch):
     """hidden_dropout and attention_dropout 0.1 with inductor's fallback_random (inductor then
     calls aten's dropout, drawing from the same Philox stream as eager; the attention op draws
     where eager TE draws): bit-identical to eager under one seed (with eager's rounding, as
     test_layer_matches_eager). Without fallback_random, inductor generates its own dropout
-    masks (random per step, reproducible under a seed, not eager's bits)."""
+    masks (random per step, reproducible under a seed, not eager's bits). At 64 tokens
+    ("dropout") the bias gradients part by 1 ulp (session 50 on an H200: self_attention.proj's,
+    up to 0.125): a known difference, docs/training.md."""
     inductor = {**EAGER_ROUNDING, "fallback_random": True}
     check(case_name, "none", monkeypatch, n=2, inductor=inductor)
 
