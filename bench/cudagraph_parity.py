@@ -4,6 +4,7 @@ default mode: a diagnosis table, one GPU (session 48's failure; session 49's fin
     python bench/cudagraph_parity.py [--graph-fp8 off] [--recipe delayed] [--steps 4]
         [--layers 4] [--dropout 0.1] [--no-bias] [--activation gelu] [--normalization LayerNorm]
         [--autocast inside] [--control] [--warm] [--against-eager] [--fallback-random]
+        [--tokens 512] [--check]
 
 Session 48 (H200, torch 2.11, TE 2.20.2): tests/gpu/test_cudagraph_loops_gpu.py's
 `test_transformer_stack_cuda_graphs_delayed` (4 te.TransformerLayers, H=1024, FFN 4096, 16
@@ -31,8 +32,16 @@ does, and with `--warm` (one compile first, results unused) both comparisons are
 a process's first compile is scheduled differently from later ones (docs/performance.md,
 session 49). `--control` with the caches on reads the first compile's cached code and so agrees.
 `--against-eager --control --fallback-random` compares eager TE with default mode under the same
-dropout masks: which of the two schedules eager TE's own compiled bias-dropout-add matches
-(with `--warm`, a later compile; without, with the caches off, a first one).
+dropout masks (with `--warm`, a later compile; without, with the caches off, a first one).
+
+Session 50 (H200): before the change, eager TE matched a later compile (current scaling, 4
+steps) and parted from a first one at step 0 (the FC2 bias gradient). Eager TE sums the dropout's
+gradient as stored there, so modules/transformer_layer.py now rounds it as stored. After it,
+with the caches off and no `--warm`, every comparison was bit-identical: `--control`,
+reduce-overhead, and `--against-eager` at 512, 256 and 4096 tokens (`--tokens`). At 64 tokens
+the bias gradients parted from eager TE: its own add then sums the unrounded values
+(docs/training.md, "Known differences"). `--check` exits 1 on any difference
+(tests/gpu/test_first_compile_gpu.py). Tables: docs/perf/session50/.
 """
 
 from __future__ import annotations
