@@ -62,8 +62,10 @@ def make_bias_dropout_add(original):
         if not (torch.compiler.is_compiling() and hidden_state.dtype == torch.bfloat16):
             return original(self, hidden_state, bias, residual, drop_path)
         if bias is not None and bias.numel() != 0:
-            hidden_state = GradientStoredAsEager.apply(hidden_state + bias)
-            bias = None  # TE's unfused path: dropout(hidden_state), drop_path, residual + out
+            biased = hidden_state + bias
+            if biased.dtype == torch.bfloat16:  # not where a float32 bias promotes the sum
+                biased = GradientStoredAsEager.apply(biased)
+            hidden_state, bias = biased, None  # TE's unfused path: dropout, drop_path, residual
         out = original(self, hidden_state, bias, residual, drop_path)
         return StoredAsEager.apply(out) if out.dtype == torch.bfloat16 else out
 
