@@ -77,12 +77,17 @@ def _kernels(recipe_name: str, rounding: str, dropout: float = 0.0) -> list[str]
     """The Triton kernels inductor generates for one bf16 TransformerLayer step, in a fresh
     process (its first compile, caches off). `rounding`: "rounded" (te_compile's), "plain"
     (none), "value-only" (the output and its gradient, not the dropout's gradient)."""
+    return _kernels_of(_COMPILE, recipe_name, rounding, str(dropout))
+
+
+def _kernels_of(script: str, *args: str) -> list[str]:
+    """The Triton kernels of the compiles `script` records, run in a fresh process with
+    inductor's caches off."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-    args = [recipe_name, rounding, str(dropout)]
     done = subprocess.run(
-        [sys.executable, "-c", _COMPILE, *args],
+        [sys.executable, "-c", script, *args],
         capture_output=True,
         text=True,
         env=env,
@@ -230,18 +235,6 @@ def test_eager_te_add_sums_the_dropout_gradient_as_stored_from_256_tokens(tokens
     compiled layer equal to eager TE at 256 and 4096 tokens, the bias gradients 1 ulp apart at
     64. If this fails, torch has moved the boundary: update docs/training.md's entry and
     test_transformer_layer_gpu.py's 64-token xfail."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
-    env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-c", _EAGER_ADD, str(tokens)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    sources = json.loads(done.stdout.split("SOURCES", 1)[1])
-    kernels = [k for src in sources for k in _KERNEL.split(src) if "async_compile.triton(" in k]
+    kernels = _kernels_of(_EAGER_ADD, str(tokens))
     assert any("tl.sum" in k for k in kernels)  # the bias gradient's sum was generated
     assert (dropout_gradient_sums(kernels) == []) == stored
