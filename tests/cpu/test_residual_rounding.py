@@ -205,7 +205,7 @@ def test_rounding_saves_nothing_more_for_backward(graph_path, patched):
 
 
 _EAGER_ADD = """
-import sys, warnings
+import json, sys, warnings
 warnings.filterwarnings("ignore")
 import torch
 import te_compile
@@ -223,7 +223,7 @@ with te_compile.simulate_gpu("hopper"), rec.context():
                             backend=rec.backend)
         add(x, b, r).float().sum().backward()
 print("SOURCES" + json.dumps(rec.sources))
-""".replace("import sys,", "import json, sys,")
+"""
 
 
 @pytest.mark.parametrize("tokens,stored", [(64, False), (256, True), (4096, True)])
