@@ -55,6 +55,12 @@ pip install -q --upgrade pip wheel 'setuptools>=77'
 
 if ! "$py" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   log "installing torch $TORCH_VERSION"
+  # A CUDA build of torch takes about 6 GB in the venv, with its download beside it; pip's own
+  # message for a full disk ("No space left on device") comes only after the download.
+  free_gb=$(df -Pk "$venv" | awk 'NR == 2 {print int($4 / 1048576)}')
+  if [ "${free_gb:-99}" -lt 10 ]; then
+    log "warning: ${free_gb} GB free where the venv lies ($venv); torch needs about 10 GB to install"
+  fi
   pip install -q "torch==$TORCH_VERSION"
 fi
 info=$("$py" -W ignore -c 'import sys, torch; print(f"cp{sys.version_info[0]}{sys.version_info[1]}", torch.__version__, torch.version.cuda or "13.0")')
