@@ -99,19 +99,38 @@ def _graph_updates(cfg: QuantConfig) -> bool:
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
-def backward_scales(scale: torch.Tensor, grad: torch.Tensor) -> Scales:
-    """The backward scales grad_output's cast reads and their reciprocals, from a copy of TE's
-    tensor read in the backward (te_compile::scale_in_backward, tied to `grad`): neither the
-    partitioner (which could move a read of a forward input alone into the forward graph, before
-    the autocast exit's update) nor inductor (which, torch 2.11 on the H100, scheduled a fused
-    cast after the op's own write of the scale) can move it."""
+def backward_scales(scale: torch.Tensor, grad: torch.Tensor, cfg: QuantConfig) -> Scales:
+    """The backward scales grad_output's cast reads and their reciprocals, read in the backward.
+    Where nothing in this backward writes TE's tensor, or the graph's own update does
+    (scale_for_te_cast's condition), the read is tied to `grad` (read_with): the partitioner,
+    which may compute in the forward graph and save what depends on forward inputs alone, must
+    keep it in the backward (the autocast exit updates the scales in between); inductor fuses
+    it into the cast and launches it before the update (tests/cpu/test_backward_scale_read.py).
+    Under TE's update op in the same graph it is a copy (te_compile::scale_in_backward), ordered
+    before that op: read in place there, a fused cast once ran after the op's write (torch 2.11
+    on the H100)."""
+    if cfg.defers_backward_update or _graph_updates(cfg):
+        return Scales.of(read_with(scale, grad))
     return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
+
+
+_SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def read_with(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """`t` as a value of `grad`: a select of `t` by a condition that is always false but is
+    computed from grad's first element (its bits masked to 0). A select moves bits without
+    arithmetic, so NaN, infinities and signed zeros come through as they are; and `t` enters
+    no operation before it meets `grad`, so the partitioner cannot save a view of it either."""
+    first = grad[(0,) * grad.dim()]
+    never = (first.view(_SAME_SIZE_INT[first.element_size()]) & 0) != 0
+    return torch.where(never, 0.0, t)
 
 
 def quantize_grad(grad2d, bwd_scale, cfg: QuantConfig, gemm=0):
     """(FP8 data, scale_inv, amax) of grad_output `grad2d` of GEMM `gemm` cast in the graph,
     with the backward scales read in the backward (backward_scales)."""
-    return quantize_delayed(grad2d, backward_scales(bwd_scale, grad2d), cfg, 2, gemm=gemm)
+    return quantize_delayed(grad2d, backward_scales(bwd_scale, grad2d, cfg), cfg, 2, gemm=gemm)
 
 
 def scale_for_te_cast(cfg: QuantConfig, scale: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

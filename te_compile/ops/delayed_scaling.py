@@ -34,12 +34,12 @@ scale_snapshot.fake(lambda a: torch.empty_like(a.scale))
 
 @op()
 def scale_in_backward(scale: Tensor, grad: Tensor) -> Tensor:
-    """A copy of a module's backward scales, read where its backward runs. `grad`, a gradient
-    of that backward and otherwise unused, is what places the read there: AOT autograd's
-    partitioner may compute in the forward graph, and save, whatever depends on forward inputs
-    alone, and between forward and backward the autocast exit updates the scales (the
-    deferred update). It chose so for FSDP2's modules, whose tensors are not static inputs:
-    the backward GEMMs then ran with the forward-time reciprocal of the new scale's cast."""
+    """A copy of a module's backward scales, read where its backward runs, for a backward that
+    also runs TE's update op on them (elsewhere graph_fp8.delayed.read_with reads them without
+    a copy). `grad`, a gradient of that backward and otherwise unused, is what places the read
+    there: AOT autograd's partitioner may compute in the forward graph, and save, whatever
+    depends on forward inputs alone. It chose so for FSDP2's modules, whose tensors are not
+    static inputs: the backward GEMMs then ran with the forward-time reciprocal of the scale."""
     return scale.clone()
 
 

@@ -180,14 +180,19 @@ def test_backward_reads_state_in_backward(fsdp_managed, kind, bias, patched):
     (fw,), (bw,) = rec.fw, rec.bw
     forward_inputs = {n.name for n in fw.graph.find_nodes(op="placeholder")}
     ops = torch.ops.te_compile
-    # The backward scale's readers: the copy for an inductor-made cast (a bias-less GEMM's
-    # grad_output), TE's fused dbias cast (a biased one's; LayerNormMLP's FC1 always).
-    copies = bw.graph.find_nodes(op="call_function", target=ops.scale_in_backward.default)
+    # The backward scale's readers: graph operations tied to the gradient for an inductor-made
+    # cast (a bias-less GEMM's grad_output: graph_fp8.delayed.read_with), TE's fused dbias cast
+    # (a biased one's; LayerNormMLP's FC1 always). No copy: nothing in this backward writes it.
+    assert not bw.graph.find_nodes(op="call_function", target=ops.scale_in_backward.default)
     te_casts = bw.graph.find_nodes(op="call_function", target=ops.delayed_grad_quantize.default)
-    assert len(copies) == (0 if bias else 1)
+    where = bw.graph.find_nodes(op="call_function", target=torch.ops.aten.where.self)
+    tied = [w for w in where if w.args[1].target == torch.ops.aten.scalar_tensor.default]
+    assert len(tied) == (0 if bias else 1)
     assert len(te_casts) == {"Linear": int(bias), "LayerNormMLP": 1 + bias}[kind]
-    for read in copies:  # TE's scale itself, not a value of it (nor a view saved for it)
-        assert op_args(read)["scale"].name in forward_inputs
+    for read in tied:  # TE's scale itself, not a value of it (nor a view saved for it)
+        never, _, scale = read.args
+        assert scale.name in forward_inputs
+        assert "tangents" in str(_inputs_above(never))
     for read in te_casts:
         assert op_args(read)["scales"].name in forward_inputs
     writes = bw.graph.find_nodes(op="call_function", target=torch.ops.aten.copy_.default)
@@ -229,3 +234,17 @@ def test_fsdp2_marks_leave_the_partition_as_it_is(graph_path, patched):
     plain = backward_code(False)
     assert len(plain) == 1
     assert backward_code(True) == plain
+
+
+def _inputs_above(node) -> set[str]:
+    """The placeholders `node` is computed from."""
+    seen, todo, found = set(), [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            found.add(n.name)
+        todo.extend(n.all_input_nodes)
+    return found

@@ -320,9 +320,10 @@ def test_unaligned_shapes_stay_on_te_ops(patched, fake_gpu, monkeypatch):
     assert rec.targets(rec.fw).count("te_compile.linear_fwd.default") == 1
 
 
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 def test_delayed_scaling_graph_path_joint_graph(
-    fused, patched, fake_gpu, graph_breaks, monkeypatch
+    fused, bias, patched, fake_gpu, graph_breaks, monkeypatch
 ):
     """DelayedScaling on the graph path: the forward quantizes in aten ops with a snapshot of
     TE's scales and merges amaxes into TE's history; the backward graph runs the module's
@@ -336,7 +337,8 @@ def test_delayed_scaling_graph_path_joint_graph(
         monkeypatch.setenv("NVTE_UNFUSED_FP8_UPDATE", "1")
     with recipe_state_on("meta"), graph_fp8():
         linear = build_without_gpu(
-            lambda: te.Linear(64, 32, params_dtype=torch.bfloat16, device="meta"), "meta"
+            lambda: te.Linear(64, 32, bias=bias, params_dtype=torch.bfloat16, device="meta"),
+            "meta",
         )
         x = torch.empty(32, 64, device="meta", dtype=torch.bfloat16, requires_grad=True)
         rec = _compile_step(linear, R.DelayedScaling(amax_history_len=4), x)
@@ -348,11 +350,12 @@ def test_delayed_scaling_graph_path_joint_graph(
     assert fw.count(update) == 1  # the autocast exit's forward update, as on the TE-kernel path
     in_graph = fused
     assert bw.count(update) == (0 if in_graph else 1)
-    # TE's fused dbias cast (a biased Linear) reads the backward scales themselves where the
-    # update is graph operations, a copy where TE's update kernel follows in the same graph
-    # (graph_fp8.delayed.scale_for_te_cast)
+    # The backward scales' read: TE's fused dbias cast (a biased Linear) reads TE's tensor, an
+    # inductor-made cast (no bias) a select tied to the gradient (graph_fp8.delayed.read_with),
+    # where the update is graph operations; a copy where TE's update op follows in the graph
     assert bw.count("te_compile.scale_in_backward.default") == (0 if in_graph else 1)
-    assert bw.count("te_compile.delayed_grad_quantize.default") == 1
+    assert bw.count("te_compile.delayed_grad_quantize.default") == int(bias)
+    assert bw.count("aten.scalar_tensor.default") == int(in_graph and not bias)
     assert rec.targets(rec.bw).count("aten.copy_.default") == 2  # (the op's, functionalized)
 
 
