@@ -205,3 +205,24 @@ def test_scale_copies_are_exact_copies_in_new_memory(op, patched):
     kept = copy.clone()
     scale.fill_(3.0)
     assert torch.equal(copy.view(torch.int32), kept.view(torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_read_keeps_every_bit_in_triton(dtype, patched):
+    """The graph path's backward scale read without a copy (graph_fp8.delayed.read_with),
+    compiled by inductor to Triton: the scale's bits (as the copies above), whatever the
+    gradient's first element holds."""
+    from te_compile.graph_fp8.delayed import read_with
+
+    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+    values = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), tiny, tiny / 3, huge, -huge]
+    values += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
+    scale = torch.tensor(values, device="cuda")
+    payload_nan = torch.tensor([0x7FC00001], dtype=torch.int32, device="cuda").view(torch.float32)
+    scale = torch.cat([scale, payload_nan])
+    read = torch.compile(read_with, fullgraph=True)
+    for first in (0.0, float("nan"), float("inf"), -2.5):
+        grad = torch.full((8, 16), 1.0, device="cuda", dtype=dtype)
+        grad[0, 0] = first
+        got = read(scale, grad)
+        assert torch.equal(got.view(torch.int32), scale.view(torch.int32)), first
