@@ -119,12 +119,15 @@ _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def read_with(t: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
     """`t` as a value of `grad`: a select of `t` by a condition that is always false but is
-    computed from grad's first element (its bits masked to 0). A select moves bits without
-    arithmetic, so NaN, infinities and signed zeros come through as they are; and `t` enters
-    no operation before it meets `grad`, so the partitioner cannot save a view of it either."""
-    first = grad[(0,) * grad.dim()]
-    never = (first.view(_SAME_SIZE_INT[first.element_size()]) & 0) != 0
-    return torch.where(never, 0.0, t)
+    computed from grad's first element (its bits compared with themselves, integers, so even a
+    NaN gradient gives false). A select moves bits without arithmetic, so NaN, infinities and
+    signed zeros come through as they are; and `t` enters no operation before it meets `grad`,
+    so the partitioner cannot save a view of it either. Slices, views, `!=`, `where` and
+    `full_like` only: operations the cast kernels it fuses into already name (the 150-character
+    cut of quantize.py's docstring)."""
+    first = grad[(slice(0, 1),) * grad.dim()].reshape(1)
+    bits = first.view(_SAME_SIZE_INT[first.element_size()])
+    return torch.where(bits != bits, torch.full_like(t, 0.0), t)
 
 
 def quantize_grad(grad2d, bwd_scale, cfg: QuantConfig, gemm=0):

@@ -351,11 +351,11 @@ def test_delayed_scaling_graph_path_joint_graph(
     in_graph = fused
     assert bw.count(update) == (0 if in_graph else 1)
     # The backward scales' read: TE's fused dbias cast (a biased Linear) reads TE's tensor, an
-    # inductor-made cast (no bias) a select tied to the gradient (graph_fp8.delayed.read_with),
-    # where the update is graph operations; a copy where TE's update op follows in the graph
+    # inductor-made cast (no bias) a select tied to the gradient (graph_fp8.delayed.read_with;
+    # tests/cpu/test_deferred_update_trace.py), where the update is graph operations; a copy
+    # where TE's update op follows in the graph
     assert bw.count("te_compile.scale_in_backward.default") == (0 if in_graph else 1)
     assert bw.count("te_compile.delayed_grad_quantize.default") == int(bias)
-    assert bw.count("aten.scalar_tensor.default") == int(in_graph and not bias)
     assert rec.targets(rec.bw).count("aten.copy_.default") == 2  # (the op's, functionalized)
 
 
