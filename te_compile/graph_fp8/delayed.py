@@ -93,6 +93,12 @@ def _graph_updates(cfg: QuantConfig) -> bool:
     return delayed_update.applies(cfg.amax_algo, cfg.margin, cfg.fused_update)
 
 
+def _te_op_updates_in_backward(cfg: QuantConfig) -> bool:
+    """TE's update op writes the backward scales later in the same backward graph (no deferred
+    update, and an update the graph operations do not cover): reads before it take a copy."""
+    return not (cfg.defers_backward_update or _graph_updates(cfg))
+
+
 # Without Triton (a CPU-only torch) the graph operations compute the same update. Read once at
 # import: a call traced by dynamo (a backward's update) would step into importlib, which dynamo
 # refuses to trace (torch 2.11, session 44), cached or not.
@@ -102,16 +108,16 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 def backward_scales(scale: torch.Tensor, grad: torch.Tensor, cfg: QuantConfig) -> Scales:
     """The backward scales grad_output's cast reads and their reciprocals, read in the backward.
     Where nothing in this backward writes TE's tensor, or the graph's own update does
-    (scale_for_te_cast's condition), the read is tied to `grad` (read_with): the partitioner,
+    (_te_op_updates_in_backward false), the read is tied to `grad` (read_with): the partitioner,
     which may compute in the forward graph and save what depends on forward inputs alone, must
     keep it in the backward (the autocast exit updates the scales in between); inductor fuses
     it into the cast and launches it before the update (tests/cpu/test_backward_scale_read.py).
     Under TE's update op in the same graph it is a copy (te_compile::scale_in_backward), ordered
     before that op: read in place there, a fused cast once ran after the op's write (torch 2.11
     on the H100)."""
-    if cfg.defers_backward_update or _graph_updates(cfg):
-        return Scales.of(read_with(scale, grad))
-    return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
+    if _te_op_updates_in_backward(cfg):
+        return Scales.of(torch.ops.te_compile.scale_in_backward(scale, grad))
+    return Scales.of(read_with(scale, grad))
 
 
 _SAME_SIZE_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -143,9 +149,9 @@ def scale_for_te_cast(cfg: QuantConfig, scale: torch.Tensor, grad: torch.Tensor)
     operation (functionalized, after every read); under TE's update kernel in the same graph
     it reads a copy (backward_scales' reason). One copy kernel less per module: a
     TransformerLayer's three biased modules need none."""
-    if cfg.defers_backward_update or _graph_updates(cfg):
-        return scale
-    return torch.ops.te_compile.scale_in_backward(scale, grad)
+    if _te_op_updates_in_backward(cfg):
+        return torch.ops.te_compile.scale_in_backward(scale, grad)
+    return scale
 
 
 def update_backward_state(cfg: QuantConfig, scale, history, grad_amaxes: list) -> None:

@@ -186,16 +186,19 @@ def test_two_backward_passes_without_an_exit_between(flush_between, patched):
         assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
+_TINY, _HUGE = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+# every kind of float32 a scale can hold: zeros of both signs, denormals, extremes, infinities
+_SCALE_VALUES = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), _TINY, _TINY / 3, _HUGE, -_HUGE]
+_SCALE_VALUES += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
+
+
 @pytest.mark.parametrize("op", ["scale_snapshot", "scale_in_backward"])
 def test_scale_copies_are_exact_copies_in_new_memory(op, patched):
     """DelayedScaling's scale copies (ops/delayed_scaling.py): every float32 a scale can hold
     comes back with its bits (zeros of both signs, denormals, the extremes, infinities; NaN as a
     NaN), in memory of its own, and a later write to the scale leaves the copy as it was. (Any
     other way of copying, such as session 34's trial of an elementwise kernel, must pass this.)"""
-    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
-    values = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), tiny, tiny / 3, huge, -huge]
-    values += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
-    scale = torch.tensor(values, device="cuda")
+    scale = torch.tensor(_SCALE_VALUES, device="cuda")
     args = (scale,) if op == "scale_snapshot" else (scale, torch.ones(4, device="cuda"))
     copy = getattr(torch.ops.te_compile, op)(*args)
     assert copy.data_ptr() != scale.data_ptr()
@@ -214,10 +217,7 @@ def test_scale_read_keeps_every_bit_in_triton(dtype, patched):
     gradient's first element holds."""
     from te_compile.graph_fp8.delayed import read_with
 
-    tiny, huge = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
-    values = [0.0, -0.0, 1.0, 448.0, 2.0**-140, -(2.0**-149), tiny, tiny / 3, huge, -huge]
-    values += [float("inf"), float("-inf"), 0.1, 57344.0, 1 / 448.0]
-    scale = torch.tensor(values, device="cuda")
+    scale = torch.tensor(_SCALE_VALUES, device="cuda")
     payload_nan = torch.tensor([0x7FC00001], dtype=torch.int32, device="cuda").view(torch.float32)
     scale = torch.cat([scale, payload_nan])
     read = torch.compile(read_with, fullgraph=True)
