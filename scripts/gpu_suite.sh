@@ -151,7 +151,19 @@ case "${PART:-all}" in
     "$py" bench/suite.py "${issue20[@]}" --json "$out/$PART.json" --plots "$out" "$@" 2>&1 |
       tee "$out/$PART.log"
     status=${PIPESTATUS[0]}
-    "$py" bench/targets.py "$out/$PART.json" | tee -a "$out/$PART.log"
+    files=("$out/$PART.json")
+    # The small shapes again under CUDA graphs with the setting docs/training.md gives for them
+    # (configure(graph_fp8=False): TE's kernels), beside plain bf16 in the same process (session
+    # 52: the graph path's default is the slower one there). About 2 minutes.
+    if [ "$PART" != guide ]; then
+      cg=(--stacks te-transformer,torch-transformer --recipes current-tekernels,delayed-tekernels
+          --modes reduce-overhead --warmup 3 --steps 20 --head-dim 64 --shapes "${issue20[-1]}")
+      "$py" bench/suite.py "${cg[@]}" --json "$out/$PART-cudagraphs.json" --plots "$out/cudagraphs" 2>&1 |
+        tee "$out/$PART-cudagraphs.log"
+      [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      files+=("$out/$PART-cudagraphs.json")
+    fi
+    "$py" bench/targets.py "${files[@]}" | tee -a "$out/$PART.log"
     exit "$status" ;;
   # Not tests: default mode with inductor's defaults, combo kernels, no output size asserts
   # (session 37's cProfile: 279-379 checks per step) and the C++ wrapper, TE
