@@ -10,6 +10,9 @@ the issue's: 4 te.TransformerLayers at H=1024, S=512, B=1 and at H=2048, S=1024,
 64), and TE's guide layer (H=4096, S=2048, B=8, one layer); the stacks the suite's
 `te-transformer`, `torch-transformer` (plain PyTorch bf16) and `torchao-transformer` (torchao
 float8 tensorwise). Needs no GPU and no torch: the table is printed from the files alone.
+A recipe the suite ran with options gets a column of its own: the bench parts' second file
+(`<part>-cudagraphs.json`) adds `current-tekernels` and `delayed-tekernels`, the CUDA-graph
+rows on TE's kernels (`configure(graph_fp8=False)`, docs/training.md's setting under CUDA graphs).
 """
 
 from __future__ import annotations
