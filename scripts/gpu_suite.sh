@@ -140,15 +140,20 @@ case "${PART:-all}" in
   # guide layer with the guide's recipe (under 2 minutes). bench/targets.py over the calls'
   # JSON files together gives the whole table.
   bench | bench1024 | bench2048 | guide)
-    issue20=(--stacks te-transformer,torch-transformer,torchao-transformer --warmup 3 --steps 20)
-    small=(--head-dim 64 --recipes current,delayed,block --shapes)
+    steps=(--warmup 3 --steps 20)
     case "$PART" in
-      bench) issue20+=("${small[@]}" 1024x512x4x1,2048x1024x4x2) ;;
-      bench1024) issue20+=("${small[@]}" 1024x512x4x1) ;;
-      bench2048) issue20+=("${small[@]}" 2048x1024x4x2) ;;
-      guide) issue20+=(--head-dim 128 --recipes guide --shapes 4096x2048x1x8) ;;
+      bench) shapes=1024x512x4x1,2048x1024x4x2 ;;
+      bench1024) shapes=1024x512x4x1 ;;
+      bench2048) shapes=2048x1024x4x2 ;;
+      guide) shapes=4096x2048x1x8 ;;
     esac
-    "$py" bench/suite.py "${issue20[@]}" --json "$out/$PART.json" --plots "$out" "$@" 2>&1 |
+    if [ "$PART" = guide ]; then
+      recipes=(--head-dim 128 --recipes guide)
+    else
+      recipes=(--head-dim 64 --recipes current,delayed,block)
+    fi
+    "$py" bench/suite.py --stacks te-transformer,torch-transformer,torchao-transformer "${steps[@]}" \
+      "${recipes[@]}" --shapes "$shapes" --json "$out/$PART.json" --plots "$out" "$@" 2>&1 |
       tee "$out/$PART.log"
     status=${PIPESTATUS[0]}
     files=("$out/$PART.json")
@@ -156,9 +161,9 @@ case "${PART:-all}" in
     # (configure(graph_fp8=False): TE's kernels), beside plain bf16 in the same process (session
     # 52: the graph path's default is the slower one there). About 2 minutes.
     if [ "$PART" != guide ]; then
-      cg=(--stacks te-transformer,torch-transformer --recipes current-tekernels,delayed-tekernels
-          --modes reduce-overhead --warmup 3 --steps 20 --head-dim 64 --shapes "${issue20[-1]}")
-      "$py" bench/suite.py "${cg[@]}" --json "$out/$PART-cudagraphs.json" --plots "$out/cudagraphs" 2>&1 |
+      "$py" bench/suite.py --stacks te-transformer,torch-transformer "${steps[@]}" --head-dim 64 \
+        --recipes current-tekernels,delayed-tekernels --modes reduce-overhead --shapes "$shapes" \
+        --json "$out/$PART-cudagraphs.json" --plots "$out/cudagraphs" 2>&1 |
         tee "$out/$PART-cudagraphs.log"
       [ "${PIPESTATUS[0]}" = 0 ] || status=1
       files+=("$out/$PART-cudagraphs.json")
