@@ -132,6 +132,10 @@ case "${PART:-all}" in
   # The files that need 2 or more GPUs (torchrun inside; they skip with one): not in a PARTS
   # queue, whose parts see one GPU each. DDP/FSDP2 about 10 minutes, tensor parallel about 2.
   multi) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py $g/test_distributed_gpu.py) ;;
+  # PART=multi in two for a lent machine's 10-minute calls (session 53 on 2 x H200: the first
+  # 2.7 minutes; the second about 10 alone, so give it a call of its own)
+  multi1) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py) ;;
+  multi2) files=($g/test_distributed_gpu.py) ;;
   # Not tests: issue 20's benchmark (bench/suite.py; torchao's stacks skip without torchao:
   # docs/performance.md brings it as a wheel), then its target table (bench/targets.py), and
   # session 28's diagnosis of DelayedScaling over varying lengths. Each alone on its GPU
