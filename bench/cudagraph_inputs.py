@@ -8,9 +8,9 @@ or an earlier graph's output) into the graph's own buffer, every step: CPU and a
 graph (docs/performance.md, session 53). The stack of bench/stacks.py is traced under
 te_compile.simulate_gpu("hopper") through inductor's `compile_fx` (AOTAutograd, the
 partitioner); what it tells its inner compiler is static (`static_input_idxs`, the index list
-cudagraph trees use) is read there, and the graph then runs as it is, on meta tensors. Prints, per graph, its inputs, how many are static, and the others by
-name, shape and dtype. A te_compile change that turns state into a fresh graph input shows here
-as a new row.
+cudagraph trees use) is read there, and the graph then runs as it is, on meta tensors. Prints,
+per graph, its inputs, how many are static, and the others by name, shape and dtype. A
+te_compile change that turns state into a fresh graph input shows here as a new row.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import warnings
 
 import torch
 from torch._inductor import compile_fx
-from torch._inductor import config as inductor_config
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,6 +32,7 @@ import transformer_engine.pytorch as te  # noqa: E402
 from transformer_engine.common import recipe as R  # noqa: E402
 
 import te_compile  # noqa: E402
+from te_compile.tools.check_inductor import InductorRecorder  # noqa: E402
 from te_compile.tools.check_trace import boxed_runner  # noqa: E402
 
 RECIPES = {"current": R.Float8CurrentScaling, "delayed": R.DelayedScaling, "bf16": lambda: None}
@@ -56,10 +56,10 @@ def non_static_inputs(stack: str, recipe_name: str, hidden: int, layers: int) ->
 
     backend = functools.partial(compile_fx.compile_fx, inner_compile=recording)
     torch._dynamo.reset()
-    # On meta tensors inductor's joint-graph constant folding would replace the graph's outputs
-    # by empty tensors and drop what computes them (te_compile/tools/check_inductor.py).
-    no_folding = inductor_config.patch(fx_graph_cache=False, joint_graph_constant_folding=False)
-    with te_compile.simulate_gpu("hopper"), no_folding:
+    # The inductor check's settings: no constant folding (on meta tensors it would replace the
+    # graph's outputs by empty tensors and drop what computes them), no caches (a hit would
+    # skip the inner compile that reads the indices).
+    with te_compile.simulate_gpu("hopper"), InductorRecorder("hopper").context():
         stacks.HEAD_DIM = 64
         model = stacks.build(stack, hidden, layers).cuda()
         x = torch.randn(512, 1, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
