@@ -17,7 +17,8 @@ the module's backward op), and a process's first inductor compile recomputes it 
 inside the sum while later compiles store it first (docs/graph_fp8.md, "Why the first compile in
 a process differs"), so the first compile's bias gradient was 1 ulp off eager TE's. The bias is
 added here, before TE's unfused add (the same arithmetic as its fused one), through an identity
-that rounds the gradient as stored.
+that rounds the gradient as stored, where a dropout or drop path changes it (otherwise it is the
+output's gradient, rounded already).
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def make_bias_dropout_add(original):
             return original(self, hidden_state, bias, residual, drop_path)
         if bias is not None and bias.numel() != 0:
             biased = hidden_state + bias
-            if biased.dtype == torch.bfloat16:  # not where a float32 bias promotes the sum
+            # not where a float32 bias promotes the sum, nor where the gradient is the
+            # output's, rounded below already
+            if biased.dtype == torch.bfloat16 and not _output_gradient(self, residual, drop_path):
                 biased = GradientStoredAsEager.apply(biased)
             hidden_state, bias = biased, None  # TE's unfused path: dropout, drop_path, residual
         out = original(self, hidden_state, bias, residual, drop_path)
@@ -71,6 +74,16 @@ def make_bias_dropout_add(original):
 
     _bias_dropout_add.__doc__ = original.__doc__
     return _bias_dropout_add
+
+
+def _output_gradient(layer, residual, drop_path) -> bool:
+    """Whether the gradient reaching the bias is the bf16 output's (rounded by StoredAsEager's
+    backward): no dropout mask drawn, no drop path, a bf16 residual. Rounding it twice changes
+    no bit, and the second rounding's longer chain made inductor store that gradient in float32
+    for the bias gradient's reduction, which its peak-memory reordering then moved past the
+    attention's backward: +256 MiB at TE's guide layer (session 54)."""
+    drops = layer.training and layer.hidden_dropout > 0
+    return drop_path is None and not drops and residual.dtype == torch.bfloat16
 
 
 def swaps() -> list[Swap]:

@@ -17,7 +17,9 @@ what the forward saves for backward as it was (activation memory), on both paths
 Session 50 rounds the dropout's gradient too, and the last test pins why that matches eager TE
 only from a few hundred tokens on: eager TE's own compiled add stores that gradient before
 summing it where inductor splits the sum (256 tokens and more at hidden 1024), and sums it
-unrounded, fused with its store, where it does not (64 tokens)."""
+unrounded, fused with its store, where it does not (64 tokens). Session 54: without dropout that
+gradient is the output's, rounded already, and rounding it again cost a float32 buffer the size
+of the residual stream (test_no_float32_gradient_buffer_without_dropout)."""
 
 from __future__ import annotations
 
@@ -52,8 +54,10 @@ class NotRounded:
     apply = staticmethod(lambda t: t)
 if rounding == "plain":
     transformer_layer.StoredAsEager = NotRounded
-if rounding != "rounded":
+if rounding not in ("rounded", "always"):
     transformer_layer.GradientStoredAsEager = NotRounded
+if rounding == "always":  # the bias gradient rounded again where it is the output's already
+    transformer_layer._output_gradient = lambda layer, residual, drop_path: False
 recipe = {"none": None, "current": R.Float8CurrentScaling(), "delayed": R.DelayedScaling()}[recipe_name]
 rec = InductorRecorder("hopper")
 with te_compile.simulate_gpu("hopper"), rec.context():
@@ -83,6 +87,13 @@ def _kernels(recipe_name: str, rounding: str, dropout: float = 0.0) -> list[str]
 def _kernels_of(script: str, *args: str) -> list[str]:
     """The Triton kernels of the compiles `script` records, run in a fresh process with
     inductor's caches off."""
+    kernels = [k for source in _sources_of(script, *args) for k in _KERNEL.split(source)]
+    return [k for k in kernels if "async_compile.triton(" in k]
+
+
+def _sources_of(script: str, *args: str) -> list[str]:
+    """Inductor's generated code of the compiles `script` records (forward, then backward), run
+    in a fresh process with inductor's caches off."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env["TORCHINDUCTOR_FORCE_DISABLE_CACHES"] = "1"
@@ -94,9 +105,7 @@ def _kernels_of(script: str, *args: str) -> list[str]:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    sources = json.loads(done.stdout.split("SOURCES", 1)[1])
-    kernels = [k for source in sources for k in _KERNEL.split(source)]
-    return [k for k in kernels if "async_compile.triton(" in k]
+    return json.loads(done.stdout.split("SOURCES", 1)[1])
 
 
 def unrounded_gradient_sums(kernels: list[str]) -> list[str]:
@@ -137,6 +146,24 @@ def test_first_compile_sums_the_dropout_gradient_as_stored():
     # the control: rounding only the add's output and its gradient leaves that sum in the first
     # compile
     assert dropout_gradient_sums(_kernels("current", "value-only", dropout=0.1)) != []
+
+
+# A float32 buffer the size of the layer's residual stream ([128, 2, 256] in _COMPILE)
+_FLOAT32_STREAM = re.compile(r"empty_strided_cuda\(\(128, 2, 256\), \([^)]*\), torch\.float32\)")
+
+
+@pytest.mark.parametrize("recipe_name", ["none", "current"])
+def test_no_float32_gradient_buffer_without_dropout(recipe_name):
+    """Without hidden dropout the gradient that reaches a bias is its add's output's, rounded
+    already. Rounding it a second time made inductor store it in float32 for the bias
+    gradient's reduction, and its peak-memory reordering then moved that reduction past the
+    attention's backward (TE's guide layer: +256 MiB at the step's peak on an H200, session
+    54). No compile allocates such a buffer; the control, the second rounding forced, does."""
+    assert not any(
+        _FLOAT32_STREAM.search(s) for s in _sources_of(_COMPILE, recipe_name, "rounded", "0")
+    )
+    forced = _sources_of(_COMPILE, recipe_name, "always", "0")
+    assert any(_FLOAT32_STREAM.search(s) for s in forced)
 
 
 def _saved_for_backward(rounded: bool) -> list[tuple[tuple[int, ...], torch.dtype]]:
