@@ -5,7 +5,7 @@
 
 cudagraph trees copy each input of a replayed graph that is not static (a parameter, a buffer,
 or an earlier graph's output) into the graph's own buffer, every step: CPU and a small kernel per
-graph (docs/performance.md, session 53). The stack of bench/stacks.py is traced under
+graph (docs/perf/history.md, session 53). The stack of bench/stacks.py is traced under
 te_compile.simulate_gpu("hopper") through inductor's `compile_fx` (AOTAutograd, the
 partitioner); what it tells its inner compiler is static (`static_input_idxs`, the index list
 cudagraph trees use) is read there, and the graph then runs as it is, on meta tensors. Prints,

@@ -29,7 +29,7 @@ this shape and the CUDA graphs are not the cause. Run it first.
 Session 49 found the cause this way: default mode twice with inductor's caches off
 (`TORCHINDUCTOR_FORCE_DISABLE_CACHES=1 ... --control`) differs exactly as the CUDA-graph run
 does, and with `--warm` (one compile first, results unused) both comparisons are bit-identical:
-a process's first compile is scheduled differently from later ones (docs/performance.md,
+a process's first compile is scheduled differently from later ones (docs/perf/history.md,
 session 49). `--control` with the caches on reads the first compile's cached code and so agrees.
 `--against-eager --control --fallback-random` compares eager TE with default mode under the same
 dropout masks (with `--warm`, a later compile; without, with the caches off, a first one).

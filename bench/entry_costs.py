@@ -6,7 +6,7 @@ aten's, and what each way of calling them costs.
                                                         1024x4096x1024)
 
 One table: block, us per call (median of chunks of 20 calls, the GPU idle at each chunk's
-start). Used to decide where the op core's per-call work goes (docs/performance.md).
+start). Used to decide where the op core's per-call work goes (docs/perf/history.md).
 """
 
 from __future__ import annotations

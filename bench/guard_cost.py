@@ -7,7 +7,7 @@ Each stack of bench/stacks.py is traced under te_compile.simulate_gpu("hopper") 
 runs of `--calls` checks, in microseconds, on this machine's CPU, and the median of single
 checks each after writing 64 MiB (caches cold, as between two training steps: the tree's
 thousands of nodes then cost cache misses, 3-6x the warm time). Under CUDA graphs a
-small-shape TE step is CPU-bound and its guards are part of that (docs/performance.md,
+small-shape TE step is CPU-bound and its guards are part of that (docs/perf/history.md,
 session 16), so this is the CPU-side number to watch when a compile path reads more module
 attributes. Rows: TE's TransformerLayer stack per recipe, the same with torch's
 `skip_guard_on_all_nn_modules_unsafe` filter (what module-attribute guards cost at most), and

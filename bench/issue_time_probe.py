@@ -1,5 +1,5 @@
 """Does a default-mode step cost more CPU to issue at a larger shape because the GPU runs its
-kernels meanwhile? (docs/performance.md, session 44.) Plain PyTorch's block (bench/stacks.py,
+kernels meanwhile? (docs/perf/history.md, session 44.) Plain PyTorch's block (bench/stacks.py,
 4 layers, heads of 64) compiled in default mode at H=1024 (512 tokens) and H=2048 (2 x 1024):
 the median CPU ms to issue one step with the GPU idle at its start, and with the GPU held by a
 sleep kernel for the whole issue, so that none of the step's kernels runs while it is issued;

@@ -10,7 +10,7 @@ the kinds: GEMMs, attention, norms, quantization (amax, cast, transpose, scales:
 kernels on the graph path, TE's on its kernels), TE's GELU kernels, dbias sums, DelayedScaling's
 update. The GPU time is what a CUDA-graph step waits on at the GPU-bound shapes: comparing the
 graph path with `--off graph_fp8` (TE's kernels) shows where the graph path's time goes
-(docs/performance.md, session 23).
+(docs/perf/history.md, session 23).
 """
 
 from __future__ import annotations

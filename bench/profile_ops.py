@@ -9,7 +9,7 @@ Per op (default: the ops named `te_compile::...`; `--match` picks other rows, e.
 own overhead included (compare columns of one host, not a row with the step's issue time).
 The first row is the profiler's CPU total per step. "-": not among the table's rows
 (profile_step.py keeps the top 50 by own CPU), not proof of no call. Session 47 used it to find what a
-DelayedScaling step calls that a current-scaling step does not (docs/performance.md).
+DelayedScaling step calls that a current-scaling step does not (docs/perf/history.md, session 47).
 """
 
 from __future__ import annotations

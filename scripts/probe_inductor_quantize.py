@@ -2,7 +2,7 @@
 
     python scripts/probe_inductor_quantize.py
 
-The launch-bound bound in docs/performance.md says default mode cannot beat eager TE by 1.3x
+The launch-bound bound in docs/perf/history.md says default mode cannot beat eager TE by 1.3x
 while every quantization is a call into TE's C++ extension. The way past it would be to let
 inductor generate the quantization (fused with the neighbouring elementwise ops, as torchao's
 float8 does) and keep only TE's GEMM. That keeps numerics identical to eager TE only if the

@@ -25,18 +25,18 @@ class Options:
     aten_fp8_gemm: bool = True
     # Float8CurrentScaling GEMM weights quantized by graph operations inductor fuses
     # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
-    # Off by default: measured no faster (docs/performance.md, session 11).
+    # Off by default: measured no faster (docs/perf/history.md, session 11).
     graph_weight_quantize: bool = False
     # DelayedScaling's grad_output cast in a module with a bias on the graph path as graph
     # operations, its bias gradient summed in the order of TE's fused cast kernel
     # (graph_fp8/te_dbias.py) instead of a call into that kernel (one per biased module's
     # backward). Bit-identical to that kernel on an H200; off by default: measured no faster
-    # (docs/performance.md, session 41).
+    # (docs/perf/history.md, session 41).
     graph_dbias: bool = False
     # DelayedScaling's per-module backward update on the graph path (the history roll and the
     # scale) as one Triton kernel of te_compile's own (graph_fp8/history_kernel.py) instead of
     # the 3 inductor makes of the same arithmetic; TE's fused update bit for bit on an H200.
-    # On by default since session 43 (docs/performance.md); False: the graph operations.
+    # On by default since session 43 (docs/perf/history.md); False: the graph operations.
     triton_history_update: bool = True
 
 

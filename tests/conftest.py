@@ -54,7 +54,7 @@ def pytest_configure(config):
 def inductor_config_from_env():
     """TE_COMPILE_TEST_INDUCTOR="combo_kernels=1,triton.cooperative_reductions=1" runs the suite
     with that inductor config (e.g. the GPU suite's bit-identity checks under an option a user
-    may set; docs/performance.md, session 31). Tests only: inductor's config is private."""
+    may set; docs/perf/history.md, session 31). Tests only: inductor's config is private."""
     spec = os.environ.get("TE_COMPILE_TEST_INDUCTOR", "")
     if not spec:
         yield

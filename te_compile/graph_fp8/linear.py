@@ -54,7 +54,7 @@ class LinearFP8(NamedTuple):
 
 # graph_fp8=None takes the graph path for GEMMs of at most this many multiply-adds: about 0.1 ms
 # of FP8 work on an H100, the CPU time TE's path spends issuing one GEMM's kernels (three to four
-# calls into TE's extension at 25-125 us each, docs/performance.md). Below it the step waits on
+# calls into TE's extension at 25-125 us each, docs/perf/history.md). Below it the step waits on
 # the CPU and the graph path, which makes none of those calls, is faster (1.44-1.51x at
 # 4 TransformerLayers of H=1024 and 2048); above it the GPU bounds the step and TE's fused
 # kernels are faster (TE's guide layer, 2^40 per FC1: 5-7%).

@@ -9,7 +9,8 @@ and handed to the op as an FP8 weight's parts, the layout of an FP8 weight cache
 weight quantization. Opt-in (`te_compile.configure(graph_weight_quantize=True)`): on an H100
 it issued 16 fewer kernels per step of a 4-layer TransformerLayer stack but took more GPU time
 (inductor reads the weight once more than TE's fused cast-transpose) and no measurable CPU time
-off (docs/performance.md). DelayedScaling and the block-scaled recipes keep TE's kernels.
+off (docs/perf/history.md, session 11). DelayedScaling and the block-scaled recipes keep TE's
+kernels.
 """
 
 from __future__ import annotations

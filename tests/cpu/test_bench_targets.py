@@ -22,7 +22,7 @@ def _rows(text: str) -> dict[str, list[str]]:
 
 
 def test_session34_table_holds_its_measured_ratios():
-    """The ratios docs/performance.md states for session 34, recomputed from its raw JSON;
+    """The ratios docs/perf/history.md states for session 34, recomputed from its raw JSON;
     a rerun's values follow the first run's in the same cell."""
     t = _targets()
     files = ["s1024.json", "s2048.json", "guide.json", "ro-1024-rerun.json"]

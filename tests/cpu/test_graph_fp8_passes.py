@@ -10,7 +10,7 @@ passes over a tensor are their GPU time:
 - Current scaling's amax pass over a fused producer's value skips the per-element re-rounding
   (the amax is rounded once); the cast keeps it.
 
-On the H100 (docs/performance.md, session 23) these took a 4-layer DelayedScaling
+On the H100 (docs/perf/history.md, session 23) these took a 4-layer DelayedScaling
 TransformerLayer stack's CUDA-graph step at H=2048 from 4.92 to 4.56 ms of GPU time."""
 
 from __future__ import annotations

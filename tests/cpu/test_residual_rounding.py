@@ -258,7 +258,7 @@ def test_eager_te_add_sums_the_dropout_gradient_as_stored_from_256_tokens(tokens
     """Eager TE's bias-dropout-add (TE's own torch.compile'd function, hidden 1024), a fresh
     process: its bias gradient's sum reads the stored dropout gradient (no dropout mask loaded
     in any reduction) at 256 and 4096 tokens, and recomputes it unrounded at 64. Session 50 on
-    an H200 (bench/cudagraph_parity.py --against-eager --tokens N, docs/performance.md): the
+    an H200 (bench/cudagraph_parity.py --against-eager --tokens N, docs/perf/history.md): the
     compiled layer equal to eager TE at 256 and 4096 tokens, the bias gradients 1 ulp apart at
     64. If this fails, torch has moved the boundary: update docs/training.md's entry and
     test_transformer_layer_gpu.py's 64-token xfail."""
