@@ -16,7 +16,10 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the count (default: nvidia-smi -L); GPU_LIST="2 3" names the GPUs to use instead. PER_GPU=2 runs two parts side by side on each GPU (on a
 # one-GPU machine: PARTS="graph 1" PER_GPU=2). PART_TIMEOUT=S stops a part after S seconds
 # (timeout(1)), so a lent machine's call ends with every finished part's report on disk; a
-# stopped part's summary counts pytest's progress characters up to the stop.
+# stopped part's summary counts pytest's progress characters up to the stop. QUEUE_TIMEOUT=S
+# bounds the whole queue: each part stops by then, and a part not started 60 s before it is
+# reported as not started (session 55: four parts under PART_TIMEOUT=470, two per worker, ran
+# past the 560-s call that held them, and the call returned no report).
 progress_of() {  # pytest's -q progress lines in log $1, as counts
   grep -E '^[.sFExX]+( +\[ *[0-9]+%\])?$' "$1" | tr -cd '.sFExX' | fold -w1 | LC_ALL=C sort | uniq -c |
     awk 'BEGIN { n["."]="passed"; n["s"]="skipped"; n["F"]="failed"; n["E"]="errors";
@@ -36,14 +39,21 @@ if [ -n "${PARTS:-}" ]; then
   gpus=${#gpu_ids[@]}
   per_gpu=${PER_GPU:-1}
   claims=$(mktemp -d) status=0 pids=()
+  deadline=$((SECONDS + ${QUEUE_TIMEOUT:-0}))
   worker() {  # $1: the GPU, then pytest's arguments; claims a part by creating its marker
-    local gpu=$1     # (mkdir is atomic)
+    local gpu=$1 limit=${PART_TIMEOUT:-0}  # (mkdir is atomic)
     shift
     for part in $PARTS; do
+      if [ "${QUEUE_TIMEOUT:-0}" -gt 0 ]; then
+        local left=$((deadline - SECONDS))
+        [ "$left" -ge 60 ] || break  # the parts not claimed yet stay so: "not started"
+        limit=${PART_TIMEOUT:-$left}
+        [ "$limit" -le "$left" ] || limit=$left
+      fi
       mkdir "$claims/$part" 2>/dev/null || continue
       echo "GPU $gpu: PART=$part from $(date +%T)" >>"$out/queue.log"
       PARTS= PART=$part BENCH=0 OUT="$out/part$part" CUDA_VISIBLE_DEVICES=$gpu \
-        timeout "${PART_TIMEOUT:-0}" bash "$root/scripts/gpu_suite.sh" "$@" \
+        timeout "$limit" bash "$root/scripts/gpu_suite.sh" "$@" \
         >"$out/part$part.log" 2>&1 || echo "$part" >>"$claims/failed"
       echo "GPU $gpu: PART=$part done $(date +%T)" >>"$out/queue.log"
     done
@@ -55,6 +65,10 @@ if [ -n "${PARTS:-}" ]; then
   for pid in "${pids[@]}"; do wait "$pid"; done
   [ -s "$claims/failed" ] && status=1
   for part in $PARTS; do  # pytest's own count
+    if [ ! -d "$claims/$part" ]; then
+      echo "PART=$part: not started (QUEUE_TIMEOUT)"
+      continue
+    fi
     count=$(grep -E '[0-9]+ (passed|failed|skipped|deselected|errors?)( |,|$)' \
       "$out/part$part.log" | tail -1)
     if [ -z "$count" ]; then
