@@ -17,8 +17,8 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # one-GPU machine: PARTS="graph 1" PER_GPU=2). PART_TIMEOUT=S stops a part after S seconds
 # (timeout(1)), so a lent machine's call ends with every finished part's report on disk; a
 # stopped part's summary counts pytest's progress characters up to the stop. QUEUE_TIMEOUT=S
-# bounds the whole queue: each part stops by then, and a part not started 60 s before it is
-# reported as not started (session 55: four parts under PART_TIMEOUT=470, two per worker, ran
+# bounds the whole queue: each part stops by then, and a part not started QUEUE_MARGIN s (60)
+# before it is reported as not started (session 55: four parts under PART_TIMEOUT=470, two per worker, ran
 # past the 560-s call that held them, and the call returned no report).
 progress_of() {  # pytest's -q progress lines in log $1, as counts
   grep -E '^[.sFExX]+( +\[ *[0-9]+%\])?$' "$1" | tr -cd '.sFExX' | fold -w1 | LC_ALL=C sort | uniq -c |
@@ -46,7 +46,7 @@ if [ -n "${PARTS:-}" ]; then
     for part in $PARTS; do
       if [ "${QUEUE_TIMEOUT:-0}" -gt 0 ]; then
         local left=$((deadline - SECONDS))
-        [ "$left" -ge 60 ] || break  # the parts not claimed yet stay so: "not started"
+        [ "$left" -ge "${QUEUE_MARGIN:-60}" ] || break  # parts not claimed stay "not started"
         limit=${PART_TIMEOUT:-$left}
         [ "$limit" -le "$left" ] || limit=$left
       fi

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,21 @@ def test_a_stopped_part_reports_its_progress(tmp_path):
     assert done.returncode != 0
     want = "progress before the stop: 11 passed, 1 failed, 2 skipped, 1 xfailed"
     assert want in done.stdout, done.stdout
+
+
+def test_the_queue_timeout_bounds_the_whole_queue(tmp_path):
+    """QUEUE_TIMEOUT: the running part stops at the queue's deadline, and a part that would start
+    after it is reported as not started (session 55: a queue of parts under PART_TIMEOUT alone
+    outran the device call that held it, which then returned no report)."""
+    fake = tmp_path / "fake_python"
+    fake.write_text("#!/bin/bash\n[ \"$2\" = pytest ] || exit 0\nprintf '...'\nsleep 60\n")
+    fake.chmod(0o755)
+    env = dict(PARTS="2a 2d", GPUS="1", PYTHON=str(fake), QUEUE_TIMEOUT="3", QUEUE_MARGIN="1")
+    start = time.monotonic()
+    done = run_suite(tmp_path / "out", **env)
+    assert time.monotonic() - start < 30, done.stdout
+    assert "PART=2a: no pytest summary" in done.stdout and "3 passed" in done.stdout, done.stdout
+    assert "PART=2d: not started (QUEUE_TIMEOUT)" in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("var", ["PART", "PARTS"])
