@@ -165,7 +165,6 @@ def phases(case: str, recipe_name: str, variant: str, steps: int, live: int):
     torch.manual_seed(0)
     one_step, data = CASES[case][0](recipe_name, variant)
     out: dict[str, float] = {}
-    every: list[float] = []
 
     def run(name, fn, *args):
         torch.cuda.synchronize()
@@ -176,8 +175,7 @@ def phases(case: str, recipe_name: str, variant: str, steps: int, live: int):
         out[f"after {name}"] = torch.cuda.memory_allocated() / MIB
         # over every step, the first ones too: under CUDA graphs the recording steps allocate
         # what the replays then reuse unseen by the allocator's counters (bench/suite.py's peak)
-        every.append(out[f"{name} peak"])
-        out["peak of all steps"] = max(every)
+        out["peak of all steps"] = max(out.get("peak of all steps", 0.0), out[f"{name} peak"])
         return result
 
     batches = list(data(steps))

@@ -41,14 +41,14 @@ if [ -n "${PARTS:-}" ]; then
   claims=$(mktemp -d) status=0 pids=()
   deadline=$((SECONDS + ${QUEUE_TIMEOUT:-0}))
   worker() {  # $1: the GPU, then pytest's arguments; claims a part by creating its marker
-    local gpu=$1 limit=${PART_TIMEOUT:-0}  # (mkdir is atomic)
+    local gpu=$1 limit left  # (mkdir is atomic)
     shift
     for part in $PARTS; do
+      limit=${PART_TIMEOUT:-0}  # 0: timeout(1)'s "no limit"
       if [ "${QUEUE_TIMEOUT:-0}" -gt 0 ]; then
-        local left=$((deadline - SECONDS))
+        left=$((deadline - SECONDS))
         [ "$left" -ge "${QUEUE_MARGIN:-60}" ] || break  # parts not claimed stay "not started"
-        limit=${PART_TIMEOUT:-$left}
-        [ "$limit" -le "$left" ] || limit=$left
+        if [ "$limit" -eq 0 ] || [ "$limit" -gt "$left" ]; then limit=$left; fi
       fi
       mkdir "$claims/$part" 2>/dev/null || continue
       echo "GPU $gpu: PART=$part from $(date +%T)" >>"$out/queue.log"

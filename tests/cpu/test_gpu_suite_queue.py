@@ -80,6 +80,7 @@ def test_the_queue_timeout_bounds_the_whole_queue(tmp_path):
     fake.write_text("#!/bin/bash\n[ \"$2\" = pytest ] || exit 0\nprintf '...'\nsleep 60\n")
     fake.chmod(0o755)
     env = dict(PARTS="2a 2d", GPUS="1", PYTHON=str(fake), QUEUE_TIMEOUT="3", QUEUE_MARGIN="1")
+    env["PART_TIMEOUT"] = "0"  # timeout(1)'s "no limit": the queue's deadline still applies
     start = time.monotonic()
     done = run_suite(tmp_path / "out", **env)
     assert time.monotonic() - start < 30, done.stdout
