@@ -3,7 +3,7 @@
 # calls that carried TE's parts to /root/te:
 #
 #   bash scripts/lent_gpu.sh install tests        (PARTS="checkpoint loops1" and the like)
-#   BPART=bench1024 bash scripts/lent_gpu.sh bench
+#   BPART="bench2048 guide" bash scripts/lent_gpu.sh bench
 #
 # Steps, in the order given:
 #   install  TE (/root/te/small/install_te.sh, once per machine), then the wheels the call
@@ -12,7 +12,8 @@
 #   tests    scripts/gpu_suite.sh's queue of $PARTS, PER_GPU (default 2) at a time per GPU,
 #            bounded so that the call ends with every part's report: QUEUE_TIMEOUT defaults to
 #            what is left of CALL_S (600, the lent machine's call limit) less 30 s
-#   bench    PART=$BPART of scripts/gpu_suite.sh (bench1024, bench2048, guide; default bench1024)
+#   bench    PART=p of scripts/gpu_suite.sh for each p of $BPART, one after another (bench1024,
+#            bench2048, guide; default bench1024), all in one bench.tgz
 #   memory   bench/step_memory.py --case guide, every variant (VARIANTS=... to choose)
 # Each step writes under /root/lent/<step> and packs that folder into one $OUT/<step>.tgz (a
 # call brings back at most 8 files): `tar xzf` it here.
@@ -49,7 +50,9 @@ print(torch.__version__, 'TE', te.__version__, ao, torch.cuda.get_device_name())
         bash scripts/gpu_suite.sh | tee "$dir/summary.txt" || status=1
       pack "$step" ;;
     bench)
-      PART=${BPART:-bench1024} OUT=$dir bash scripts/gpu_suite.sh 2>&1 | tail -40 || status=1
+      for part in ${BPART:-bench1024}; do  # each part names its files after itself
+        PART=$part OUT=$dir bash scripts/gpu_suite.sh 2>&1 | tail -40 || status=1
+      done
       pack "$step" ;;
     memory)
       variants=${VARIANTS:-eager,compile,reduce-overhead,reduce-overhead-static}
