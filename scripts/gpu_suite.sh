@@ -16,7 +16,8 @@ export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the count (default: nvidia-smi -L); GPU_LIST="2 3" names the GPUs to use instead. PER_GPU=2 runs two parts side by side on each GPU (on a
 # one-GPU machine: PARTS="graph 1" PER_GPU=2). PART_TIMEOUT=S stops a part after S seconds
 # (timeout(1)), so a lent machine's call ends with every finished part's report on disk; a
-# stopped part's summary counts pytest's progress characters up to the stop. QUEUE_TIMEOUT=S
+# stopped part's summary counts pytest's progress characters up to the stop and names the test
+# it was in (part<N>/progress.txt has every test's seconds). QUEUE_TIMEOUT=S
 # bounds the whole queue: each part stops by then, and a part not started QUEUE_MARGIN s (60)
 # before it is reported as not started (session 55: four parts under PART_TIMEOUT=470, two per worker, ran
 # past the 560-s call that held them, and the call returned no report).
@@ -25,6 +26,11 @@ progress_of() {  # pytest's -q progress lines in log $1, as counts
     awk 'BEGIN { n["."]="passed"; n["s"]="skipped"; n["F"]="failed"; n["E"]="errors";
                  n["x"]="xfailed"; n["X"]="xpassed" }
          { printf "%s%d %s", (NR > 1 ? ", " : ""), $1, n[$2] }'
+}
+running_at_stop() {  # the test a stopped part was in (tests/conftest.py's progress file $1)
+  [ -f "$1" ] && awk -F'\t' -v now="$(date +%s)" '
+    $1 == "started" { last = $3; since = $2; next } { ended[$3] = 1 }
+    END { if (last != "" && !(last in ended)) printf "%s (for %d s)", last, now - since }' "$1"
 }
 # A part is a label of the case statement below; a misspelt one is refused before anything
 # runs (session 37's "loops", for loops1/loops2, had run the whole suite until its stop).
@@ -75,6 +81,8 @@ if [ -n "${PARTS:-}" ]; then
       count="no pytest summary (stopped by PART_TIMEOUT, or crashed)"
       progress=$(progress_of "$out/part$part.log")
       [ -n "$progress" ] && count="$count; progress before the stop: $progress"
+      running=$(running_at_stop "$out/part$part/progress.txt")
+      [ -n "$running" ] && count="$count; running at the stop: $running"
     fi
     echo "PART=$part: $count"
   done
@@ -123,6 +131,9 @@ case "${PART:-all}" in
     $g/test_history_graph_ops_gpu.py) ;;
   # PART=graph in two (session 28 on an H100: graph_fp8's two files over 530 s, the GPT blocks about 340 s)
   graph1) files=($g/test_graph_fp8_gpu.py $g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py) ;;
+  # PART=graph1 in two (session 59: 488 of its 509 cases in a call beside another part)
+  graph1a) files=($g/test_graph_fp8_gpu.py) ;;
+  graph1b) files=($g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py) ;;
   gpt) files=($g/test_gpt_blocks_gpu.py) ;;
   # The `graph_dbias` option (off by default): its sum against TE's kernel, modules trained
   dbias) files=($g/test_graph_dbias_gpu.py) ;;
@@ -132,8 +143,14 @@ case "${PART:-all}" in
   stack) files=($g/test_cudagraph_loops_gpu.py $g/test_checkpoint_gpu.py $g/test_first_compile_gpu.py) ;;
   # PART=stack in parts of at most about 9 minutes each on an H100 (session 21's timings)
   checkpoint) files=($g/test_checkpoint_gpu.py) ;;
+  # The checkpoint file's CUDA-graph cases alone (sessions 58 and 59: the whole file, beside
+  # other parts, did not reach `under_cuda_graphs[delayed]` within a 10-minute call)
+  checkpointcg) files=($g/test_checkpoint_gpu.py -k under_cuda_graphs) ;;
   loops1) files=($g/test_cudagraph_loops_gpu.py -k whatever_ran_before) ;;
   loops2) files=($g/test_cudagraph_loops_gpu.py -k transformer_stack) ;;
+  # PART=loops1 in two (sessions 58 and 59: 17-18 of its 20 cases in a call beside other parts)
+  loops1a) files=($g/test_cudagraph_loops_gpu.py -k "whatever_ran_before and (delayed or current)") ;;
+  loops1b) files=($g/test_cudagraph_loops_gpu.py -k "whatever_ran_before and (block or none)") ;;
   # HF transformers + accelerate (skips without them: docs/gpu.md brings them as wheels);
   # about 2 minutes on an H100 (session 25)
   hf) files=($g/test_hf_gpu.py) ;;
@@ -143,6 +160,11 @@ case "${PART:-all}" in
   # wrapper on. torch 2.11 takes it only as the global setting (pytorch#178845).
   cppwrapper) export TORCHINDUCTOR_CPP_WRAPPER=1
      files=($g/test_graph_fp8_layers_gpu.py $g/test_attention_gpu.py -k "not large") ;;
+  # PART=cppwrapper in two (sessions 58 and 59: 34-39 of its 67 cases in a call beside others)
+  cppwrapper1) export TORCHINDUCTOR_CPP_WRAPPER=1
+     files=($g/test_graph_fp8_layers_gpu.py -k "not large") ;;
+  cppwrapper2) export TORCHINDUCTOR_CPP_WRAPPER=1
+     files=($g/test_attention_gpu.py -k "not large") ;;
   # The files that need 2 or more GPUs (torchrun inside; they skip with one): not in a PARTS
   # queue, whose parts see one GPU each. DDP/FSDP2 about 10 minutes, tensor parallel about 2.
   multi) files=($g/test_amax_group_gpu.py $g/test_tensor_parallel_gpu.py $g/test_distributed_gpu.py) ;;
@@ -216,7 +238,9 @@ case "${PART:-all}" in
   all) files=(tests) ;;
   *) echo "gpu_suite.sh: no part named $PART" >&2; exit 2 ;;  # refused above already
 esac
-"$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
+: >"$out/progress.txt"  # each test's start and end as they happen (tests/conftest.py)
+TE_COMPILE_TEST_PROGRESS="$out/progress.txt" \
+  "$py" -m pytest "${files[@]}" -m gpu -q -p no:cacheprovider -rfEs --junitxml="$out/gpu-tests.xml" \
   "$@" 2>&1 | tee "$out/gpu-tests.log"
 status=${PIPESTATUS[0]}
 for bench in $([ "${BENCH:-1}" = 1 ] && ls bench/*.py); do

@@ -50,6 +50,27 @@ def pytest_configure(config):
         gc.set_threshold(1, 1, 1)
 
 
+def _progress(line: str) -> None:
+    """TE_COMPILE_TEST_PROGRESS=FILE: one line per test start and end, written as they happen, so
+    that a run stopped by a time limit names the test it was in and what each before it took
+    (sessions 58 and 59 had only pytest's dots: scripts/gpu_suite.sh reads this file)."""
+    path = os.environ.get("TE_COMPILE_TEST_PROGRESS")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def pytest_runtest_logstart(nodeid, location):
+    import time
+
+    _progress(f"started\t{time.time():.1f}\t{nodeid}")
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _progress(f"{report.outcome}\t{report.duration:.1f}\t{report.nodeid}")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def inductor_config_from_env():
     """TE_COMPILE_TEST_INDUCTOR="combo_kernels=1,triton.cooperative_reductions=1" runs the suite

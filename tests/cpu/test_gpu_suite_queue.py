@@ -72,6 +72,38 @@ def test_a_stopped_part_reports_its_progress(tmp_path):
     assert want in done.stdout, done.stdout
 
 
+def test_each_test_start_and_end_is_recorded_as_it_happens(tmp_path):
+    """tests/conftest.py's progress file: one line as each test starts and one as it ends (here
+    every GPU test skips in its setup), in the part's folder."""
+    rc, out, _ = run_queue(tmp_path, "checkpointcg", gpus=1)
+    assert rc == 0 and re.search(r"PART=checkpointcg: 4 skipped, 11 deselected", out), out
+    lines = [
+        line.split("\t")
+        for line in (tmp_path / "partcheckpointcg/progress.txt").read_text().splitlines()
+    ]
+    assert [kind for kind, _, _ in lines] == ["started", "skipped"] * 4, lines
+    assert all("under_cuda_graphs" in nodeid for _, _, nodeid in lines), lines
+
+
+def test_a_stopped_part_names_the_test_it_was_in(tmp_path):
+    """Sessions 58 and 59 stopped the checkpoint file after 14 of its 15 cases and could not say
+    which case held it: the summary now names it, from the progress file."""
+    fake = tmp_path / "fake_python"
+    fake.write_text(
+        "#!/bin/bash\n"
+        '[ "$2" = pytest ] || exit 0\n'
+        "t=$(date +%s)\n"
+        'printf "started\\t$t\\ttests/a.py::one\\npassed\\t0.5\\ttests/a.py::one\\n'
+        'started\\t$t\\ttests/a.py::two[delayed]\\n" >>"$TE_COMPILE_TEST_PROGRESS"\n'
+        "printf '.'\n"
+        "sleep 60\n"
+    )
+    fake.chmod(0o755)
+    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=str(fake), PART_TIMEOUT="3")
+    assert done.returncode != 0
+    assert "running at the stop: tests/a.py::two[delayed] (for " in done.stdout, done.stdout
+
+
 def test_the_queue_timeout_bounds_the_whole_queue(tmp_path):
     """QUEUE_TIMEOUT: the running part stops at the queue's deadline, and a part that would start
     after it is reported as not started (session 55: a queue of parts under PART_TIMEOUT alone
