@@ -54,17 +54,20 @@ TE_RECIPES = ("bf16", "current", "block", "delayed")
 # te_compile options (the rest at their defaults). "graph": FP8 quantization and GEMMs as graph
 # ops wherever they apply (the default: small per-tensor GEMMs only); "tekernels": TE's
 # kernels for every GEMM (graph_fp8=False); "tecalls": every GEMM through TE's extension (no
-# aten scaled GEMM); "graphweights": current-scaling weights quantized in the graph (opt-in).
+# aten scaled GEMM); "graphweights": current-scaling weights quantized in the graph (opt-in);
+# "atenblock": block scaling's GEMMs through aten's blockwise scaled matmul (opt-in).
 VARIANTS = {
     "graph": {"graph_fp8": True},
     "tekernels": {"graph_fp8": False},
     "tecalls": {"aten_fp8_gemm": False},
     "graphweights": {"graph_weight_quantize": True},
+    "atenblock": {"aten_block_gemm": True},
 }
 EXTRA_RECIPES = (
     *("current-graph", "delayed-graph", "current-tecalls", "delayed-tecalls"),
     *("current-tekernels", "delayed-tekernels"),
     "current-graphweights",
+    "block-atenblock",
     "guide",  # DelayedScaling as TE's getting-started guide sets it (make_recipe)
 )
 REFERENCE = "te"  # the stack whose speed-ups the ratio table and plot show

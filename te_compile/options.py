@@ -1,6 +1,6 @@
 """Library-wide options. `graph_fp8` is read when dynamo traces, which guards on it: changing it
 between calls recompiles the compiled functions that read it (the next call traces again).
-`aten_fp8_gemm` is read by the ops when they run (it changes no graph).
+`aten_fp8_gemm` and `aten_block_gemm` are read by the ops when they run (they change no graph).
 
     te_compile.configure(graph_fp8=False)   # TE's kernels for every GEMM, whatever its size
 """
@@ -23,6 +23,11 @@ class Options:
     # Per-tensor FP8 GEMMs through aten's `_scaled_mm` (kernels/aten_gemm.py), bit-identical
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
     aten_fp8_gemm: bool = True
+    # Float8BlockScaling GEMMs (forward, dgrad, wgrad) through aten's blockwise `_scaled_mm_v2`
+    # (kernels/aten_gemm.py) instead of TE's `generic_gemm`: the same cuBLASLt scale modes at
+    # less CPU per call. Off until a GPU run shows it bit-identical to TE's call
+    # (tests/gpu/test_aten_gemm_gpu.py; written in session 59, not yet run on a GPU).
+    aten_block_gemm: bool = False
     # Float8CurrentScaling GEMM weights quantized by graph operations inductor fuses
     # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
     # Off by default: measured no faster (docs/perf/history.md, session 11).

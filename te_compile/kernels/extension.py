@@ -4,7 +4,8 @@ Python per call as TE's C++ kernels allow.
 - `gemm` calls `transformer_engine_torch.generic_gemm` directly with TE's cached cuBLAS
   workspace: the arguments TE's `general_gemm` wrapper would pass for a plain (no userbuffers,
   no debug, no custom-recipe) GEMM, without its per-call dispatch. Per-tensor FP8 GEMMs go
-  through aten's `_scaled_mm` instead (aten_gemm.py: the same cuBLASLt GEMM, cheaper to call).
+  through aten's `_scaled_mm` instead (aten_gemm.py: the same cuBLASLt GEMM, cheaper to call),
+  and block-scaled ones through its `_scaled_mm_v2` with `configure(aten_block_gemm=True)`.
 - `with_state`: DelayedScaling quantizers (cached per config, fp8_operands.quantizer) read a
   module's scale/amax tensors only for the duration of a call: two attribute writes.
 - `quantize` calls `transformer_engine_torch.quantize` directly (TE's `Quantizer.__call__`
@@ -21,7 +22,7 @@ import functools
 import torch
 
 from .. import options
-from .aten_gemm import scaled_mm
+from .aten_gemm import block_scaled_mm, scaled_mm
 
 _LAYOUTS = {"TN": (True, False), "NN": (False, False), "NT": (False, True)}
 
@@ -66,10 +67,17 @@ def gemm(
 
     With `grad=True` a bias only flags the dbias fused into the epilogue; the new dbias comes
     back second. `a` and `b` are plain tensors or TE storages (FP8 operands)."""
-    if out is None and not grad and options.current().aten_fp8_gemm:
-        result = scaled_mm(a, b, layout, out_dtype, split_accumulator, bias)
-        if result is not None:
-            return result, None
+    if out is None:
+        opts = options.current()
+        if not grad and opts.aten_fp8_gemm:
+            result = scaled_mm(a, b, layout, out_dtype, split_accumulator, bias)
+            if result is not None:
+                return result, None
+        # grad=True without a bias is TE's plain epilogue too: dgrad and wgrad GEMMs qualify.
+        if opts.aten_block_gemm and not (grad and bias is not None):
+            result = block_scaled_mm(a, b, layout, out_dtype, bias)
+            if result is not None:
+                return result, None
     transa, transb = _LAYOUTS[layout]
     ws = _workspace(device_index)
     bias_type = te_dtype(torch.bfloat16 if bias is None else bias.dtype)
