@@ -135,6 +135,9 @@ case "${PART:-all}" in
   graph1a) files=($g/test_graph_fp8_gpu.py) ;;
   graph1b) files=($g/test_graph_fp8_layers_gpu.py $g/test_graph_fp8_norm_gpu.py) ;;
   gpt) files=($g/test_gpt_blocks_gpu.py) ;;
+  # The `aten_block_gemm` option (off until this part passes: session 59): block-scaled GEMMs
+  # through aten against TE's, and a TransformerLayer trained with them against eager TE
+  atenblock) files=($g/test_aten_gemm_gpu.py -k block) ;;
   # The `graph_dbias` option (off by default): its sum against TE's kernel, modules trained
   dbias) files=($g/test_graph_dbias_gpu.py) ;;
   # `triton_history_update` (on by default since session 43): its kernel against TE's update,

@@ -41,16 +41,18 @@ def _quantizer(kind: str, fp8: str):
     return q
 
 
-def _both_paths(a, b, layout, **kw):
+def _both_paths(a, b, layout, option="aten_fp8_gemm", **kw):
+    """extension.gemm with `option` off (TE's GEMM), then on (aten's)."""
     from te_compile.kernels import extension
 
+    before = getattr(te_compile.options.current(), option)
     outs = []
     for aten in (False, True):
-        te_compile.configure(aten_fp8_gemm=aten)
+        te_compile.configure(**{option: aten})
         try:
             outs.append(extension.gemm(a, b, layout=layout, device_index=0, **kw)[0])
         finally:
-            te_compile.configure(aten_fp8_gemm=True)
+            te_compile.configure(**{option: before})
     return outs
 
 
@@ -128,18 +130,11 @@ def _block_quantizer(dims: int):
 
 def _both_block_paths(a, b, layout, **kw):
     """TE's GEMM, then aten's (checked to take the call: else it would compare TE with TE)."""
-    from te_compile.kernels import aten_gemm, extension
+    from te_compile.kernels import aten_gemm
 
     bias = None if kw.get("grad") else kw.get("bias")
     assert aten_gemm.block_scaled_mm(a, b, layout, kw["out_dtype"], bias) is not None
-    outs = []
-    for aten in (False, True):
-        te_compile.configure(aten_block_gemm=aten)
-        try:
-            outs.append(extension.gemm(a, b, layout=layout, device_index=0, **kw)[0])
-        finally:
-            te_compile.configure(aten_block_gemm=False)
-    return outs
+    return _both_paths(a, b, layout, option="aten_block_gemm", **kw)
 
 
 @pytest.mark.parametrize("m,n,k", BLOCK_SHAPES)
