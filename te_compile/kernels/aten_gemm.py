@@ -101,7 +101,7 @@ def _block_te():
         Float8BlockwiseQTensorStorage,
     )
 
-    return Float8BlockwiseQTensorStorage, tex.DType.kFloat8E4M3
+    return Float8BlockwiseQTensorStorage, int(tex.DType.kFloat8E4M3)  # (storages hold an IntEnum)
 
 
 def _block_matrix(t, half: str):
@@ -130,7 +130,11 @@ def block_scaled_mm(a, b, layout: str, out_dtype: torch.dtype, bias):
     storage, e4m3 = _block_te()
     if not (isinstance(a, storage) and isinstance(b, storage)):
         return None
-    if a._fp8_dtype != e4m3 or b._fp8_dtype != e4m3 or (a._is_2D_scaled and b._is_2D_scaled):
+    if (
+        int(a._fp8_dtype) != e4m3
+        or int(b._fp8_dtype) != e4m3
+        or (a._is_2D_scaled and b._is_2D_scaled)
+    ):
         return None
     if bias is not None and (bias.dtype != out_dtype or out_dtype == torch.float32):
         return None
