@@ -94,7 +94,8 @@ def measure(recipe_name: str, rows: int, hidden: int, calls: int) -> dict:
         for layout, n in (((True, False), rows), ((False, False), rows), ((False, True), hidden))
     }
     saved = (extension.tex, extension._workspace, te_compile.configure())
-    extension.tex = lambda: StubExtension(outputs)
+    stub = StubExtension(outputs)  # one: its storages are made once, on the first call
+    extension.tex = lambda: stub
     extension._workspace = lambda device_index: torch.empty(1)
     te_compile.configure(aten_fp8_gemm=False)
     try:
