@@ -25,6 +25,15 @@ def run_suite(tmp_path: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", script], capture_output=True, text=True, env=env, timeout=600)
 
 
+def fake_python(tmp_path: Path, pytest_body: str) -> str:
+    """A `python` for the suite that runs `pytest_body` (bash) in place of pytest, and nothing
+    for the suite's other Python steps (the doctor)."""
+    fake = tmp_path / "fake_python"
+    fake.write_text('#!/bin/bash\n[ "$2" = pytest ] || exit 0\n' + pytest_body)
+    fake.chmod(0o755)
+    return str(fake)
+
+
 def run_queue(tmp_path: Path, parts: str, gpus: int, timeout: int = 0):
     done = run_suite(tmp_path, PARTS=parts, GPUS=str(gpus), PART_TIMEOUT=str(timeout))
     return done.returncode, done.stdout, (tmp_path / "queue.log").read_text()
@@ -58,15 +67,8 @@ def test_two_parts_side_by_side_on_one_gpu(tmp_path, monkeypatch):
 
 def test_a_stopped_part_reports_its_progress(tmp_path):
     """A part cut by PART_TIMEOUT: its summary counts the progress pytest printed before."""
-    fake = tmp_path / "fake_python"
-    fake.write_text(
-        "#!/bin/bash\n"
-        '[ "$2" = pytest ] || exit 0\n'
-        "printf 'collected\\n........ss [ 40%%]\\n..F.x'\n"
-        "sleep 60\n"
-    )
-    fake.chmod(0o755)
-    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=str(fake), PART_TIMEOUT="3")
+    fake = fake_python(tmp_path, "printf 'collected\\n........ss [ 40%%]\\n..F.x'\nsleep 60\n")
+    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=fake, PART_TIMEOUT="3")
     assert done.returncode != 0
     want = "progress before the stop: 11 passed, 1 failed, 2 skipped, 1 xfailed"
     assert want in done.stdout, done.stdout
@@ -88,18 +90,14 @@ def test_each_test_start_and_end_is_recorded_as_it_happens(tmp_path):
 def test_a_stopped_part_names_the_test_it_was_in(tmp_path):
     """Sessions 58 and 59 stopped the checkpoint file after 14 of its 15 cases and could not say
     which case held it: the summary now names it, from the progress file."""
-    fake = tmp_path / "fake_python"
-    fake.write_text(
-        "#!/bin/bash\n"
-        '[ "$2" = pytest ] || exit 0\n'
+    fake = fake_python(
+        tmp_path,
         "t=$(date +%s)\n"
         'printf "started\\t$t\\ttests/a.py::one\\npassed\\t0.5\\ttests/a.py::one\\n'
         'started\\t$t\\ttests/a.py::two[delayed]\\n" >>"$TE_COMPILE_TEST_PROGRESS"\n'
-        "printf '.'\n"
-        "sleep 60\n"
+        "printf '.'\nsleep 60\n",
     )
-    fake.chmod(0o755)
-    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=str(fake), PART_TIMEOUT="3")
+    done = run_suite(tmp_path / "out", PARTS="2a", GPUS="1", PYTHON=fake, PART_TIMEOUT="3")
     assert done.returncode != 0
     assert "running at the stop: tests/a.py::two[delayed] (for " in done.stdout, done.stdout
 
@@ -108,10 +106,8 @@ def test_the_queue_timeout_bounds_the_whole_queue(tmp_path):
     """QUEUE_TIMEOUT: the running part stops at the queue's deadline, and a part that would start
     after it is reported as not started (session 55: a queue of parts under PART_TIMEOUT alone
     outran the device call that held it, which then returned no report)."""
-    fake = tmp_path / "fake_python"
-    fake.write_text("#!/bin/bash\n[ \"$2\" = pytest ] || exit 0\nprintf '...'\nsleep 60\n")
-    fake.chmod(0o755)
-    env = dict(PARTS="2a 2d", GPUS="1", PYTHON=str(fake), QUEUE_TIMEOUT="3", QUEUE_MARGIN="1")
+    fake = fake_python(tmp_path, "printf '...'\nsleep 60\n")
+    env = dict(PARTS="2a 2d", GPUS="1", PYTHON=fake, QUEUE_TIMEOUT="3", QUEUE_MARGIN="1")
     env["PART_TIMEOUT"] = "0"  # timeout(1)'s "no limit": the queue's deadline still applies
     start = time.monotonic()
     done = run_suite(tmp_path / "out", **env)
