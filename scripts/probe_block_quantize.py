@@ -24,32 +24,16 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-FP8 = {"e4m3": (torch.float8_e4m3fn, 448.0), "e5m2": (torch.float8_e5m2, 57344.0)}
+# The graph path's per-tensor pieces, which block scaling's rules share: NaN-skipping maxima,
+# TE's compute_scale_from_amax, the saturating cast.
+from te_compile.graph_fp8.quantize import cast, row_maxima, scale_from_amax  # noqa: E402
+
 BF16_MAX = 3.3895313892515355e38  # 0x1.FEp127: TE's value_for_inf for a bf16 input
-_EXPONENT_MASK = -8388608  # 0xFF800000 as int32
-
-
-def _magnitude(v: torch.Tensor) -> torch.Tensor:
-    """|v| as float32 with NaNs as 0: fmaxf(amax, fabsf(x)) from 0 skips them."""
-    v = v.float().abs()
-    return torch.where(torch.isnan(v), torch.zeros_like(v), v)
 
 
 def block_scale(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
     """TE's compute_scale_from_amax for a bf16 input, elementwise over block amaxes."""
-    amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
-    quotient = (torch.full_like(amax, FP8[fp8][1]).double() / amax.double()).float()  # RN
-    scale = torch.where(quotient.isinf(), torch.full_like(quotient, BF16_MAX), quotient)
-    usable = amax.isfinite() & (amax != 0)
-    scale = torch.where(usable, scale, torch.ones_like(scale))
-    if pow2:
-        scale = (scale.view(torch.int32) & _EXPONENT_MASK).view(torch.float32)
-    return scale
-
-
-def _cast(x: torch.Tensor, scale: torch.Tensor, fp8: str) -> torch.Tensor:
-    dtype, limit = FP8[fp8]
-    return (x.float() * scale).clamp(-limit, limit).to(dtype)
+    return scale_from_amax(amax, fp8, epsilon, pow2, value_for_inf=BF16_MAX)
 
 
 def _padded(x: torch.Tensor, rows_to: int, cols_to: int) -> torch.Tensor:
@@ -65,10 +49,10 @@ def quantize_1x128(x: torch.Tensor, fp8: str, epsilon: float, pow2: bool):
     rows, cols = x.shape
     nb = _blocks(cols)
     blocks = _padded(x, rows, nb * 128).view(rows, nb, 128)
-    scale = block_scale(_magnitude(blocks).amax(-1), fp8, epsilon, pow2)
+    scale = block_scale(row_maxima(blocks), fp8, epsilon, pow2)
     block_of = torch.arange(cols, device=x.device) // 128
     scale_inv = (1.0 / scale.double()).float()  # TE's 1D kernel: `1.0 / scale` in double
-    return _cast(x, scale[:, block_of], fp8), scale_inv
+    return cast(x, scale[:, block_of], fp8), scale_inv
 
 
 def quantize_128x128(x: torch.Tensor, fp8: str, epsilon: float, pow2: bool):
@@ -76,11 +60,11 @@ def quantize_128x128(x: torch.Tensor, fp8: str, epsilon: float, pow2: bool):
     m, k = x.shape
     mb, kb = _blocks(m), _blocks(k)
     tiles = _padded(x, mb * 128, kb * 128).view(mb, 128, kb, 128)
-    scale = block_scale(_magnitude(tiles).amax(dim=(1, 3)), fp8, epsilon, pow2)
+    scale = block_scale(row_maxima(tiles).amax(dim=1), fp8, epsilon, pow2)
     row_block = torch.arange(m, device=x.device)[:, None] // 128
     col_block = torch.arange(k, device=x.device)[None, :] // 128
     scale_inv = 1.0 / scale  # TE's 2D kernel: `1.0f / scale`
-    return _cast(x, scale[row_block, col_block], fp8), scale_inv
+    return cast(x, scale[row_block, col_block], fp8), scale_inv
 
 
 def quantize(x: torch.Tensor, dims: int, fp8: str = "e4m3", epsilon=0.0, pow2=True):

@@ -8,6 +8,7 @@ tensors come from FakeTensorMode (see `fake_cuda`).
 from __future__ import annotations
 
 import os
+import time
 import warnings
 
 import pytest
@@ -61,8 +62,6 @@ def _progress(line: str) -> None:
 
 
 def pytest_runtest_logstart(nodeid, location):
-    import time
-
     _progress(f"started\t{time.time():.1f}\t{nodeid}")
 
 

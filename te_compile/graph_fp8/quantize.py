@@ -177,14 +177,18 @@ def _segment_maxima(values: torch.Tensor, lengths: list[int]) -> list[torch.Tens
     return out
 
 
-def scale_from_amax(amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool) -> torch.Tensor:
-    """TE's compute_scale_from_amax (current scaling: value_for_inf = FLT_MAX)."""
+def scale_from_amax(
+    amax: torch.Tensor, fp8: str, epsilon: float, pow2: bool, value_for_inf: float | None = None
+) -> torch.Tensor:
+    """TE's compute_scale_from_amax. `value_for_inf` replaces an infinite quotient: FLT_MAX
+    (None) for current scaling; block scaling's kernels pass the input type's maximum."""
     amax = torch.where(amax < epsilon, torch.full_like(amax, epsilon), amax)
     amax64 = amax.double()  # tensor / tensor: a scalar numerator is traced as a reciprocal
     scale = (torch.full_like(amax64, fp8_max(fp8)) / amax64).float()
     # isinf(s) as |s| > FLT_MAX, and TE's "isinf, 0 or NaN" as "not (finite and nonzero)"
     infinite = scale.abs() > flt_max()
-    scale = torch.where(infinite, torch.full_like(scale, flt_max()), scale)
+    for_inf = flt_max() if value_for_inf is None else value_for_inf
+    scale = torch.where(infinite, torch.full_like(scale, for_inf), scale)
     finite_nonzero = (amax.abs() < float("inf")) & (amax != 0)
     scale = torch.where(finite_nonzero, scale, torch.full_like(scale, 1.0))
     if pow2:  # keep sign and exponent: the largest power of two not above the scale

@@ -50,7 +50,10 @@ def _te():
 
 
 def _matrix(t, half: str, fp8_dtype) -> torch.Tensor:
-    data = getattr(t, half).view(_te()[1][fp8_dtype])
+    return _two_d(getattr(t, half).view(_te()[1][fp8_dtype]), half)
+
+
+def _two_d(data: torch.Tensor, half: str) -> torch.Tensor:
     # Row-wise data is [*leading, last]; TE's transposed copy is [last, *leading].
     return data.view(-1, data.shape[-1]) if half == "_data" else data.reshape(data.shape[0], -1)
 
@@ -112,8 +115,7 @@ def _block_matrix(t, half: str):
     data, scale = getattr(t, data_name), getattr(t, scale_name)
     if data is None or scale is None or not (data.is_contiguous() and scale.is_contiguous()):
         return None
-    data = data.view(torch.float8_e4m3fn)
-    matrix = data.view(-1, data.shape[-1]) if half == "_data" else data.reshape(data.shape[0], -1)
+    matrix = _two_d(data.view(torch.float8_e4m3fn), half)
     rows, col_blocks = matrix.shape[0], -(-matrix.shape[1] // 128)
     if t._is_2D_scaled:
         want = (-(-rows // 128), -(-col_blocks // 4) * 4)
