@@ -16,23 +16,8 @@ Each aten output is compared with TE's bit for bit.
 
 from __future__ import annotations
 
-import argparse
-import statistics
-import time
-
 import torch
-
-
-def per_call_us(fn, calls: int) -> float:
-    rounds = []
-    for _ in range(5):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        rounds.append((time.perf_counter() - start) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(rounds)
+from scaled_mm_cost import calls_and_shape, per_call_us  # bench/, on the path when run as a script
 
 
 def _quantizer(dims: int):
@@ -53,11 +38,7 @@ def main() -> None:
     import te_compile
     from te_compile.kernels import aten_gemm, extension
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--shape", default="256,1024,1024", help="M,K,N of y[M,N] = x[M,K] @ w[N,K].T")
-    args = p.parse_args()
-    m, k, n = (int(v) for v in args.shape.split(","))
+    calls, m, k, n = calls_and_shape("256,1024,1024")
     torch.manual_seed(0)
     bf16 = dict(device="cuda", dtype=torch.bfloat16)
     x, w, dy = torch.randn(m, k, **bf16), torch.randn(n, k, **bf16), torch.randn(m, n, **bf16)
@@ -81,9 +62,9 @@ def main() -> None:
             )[0]
 
         te_compile.configure(aten_block_gemm=False)
-        te_us, te_out = per_call_us(call, args.calls), call()
+        te_us, te_out = per_call_us(call, calls), call()
         te_compile.configure(aten_block_gemm=True)
-        ours_us, ours_out = per_call_us(call, args.calls), call()
+        ours_us, ours_out = per_call_us(call, calls), call()
         te_compile.configure(aten_block_gemm=False)
         # aten alone: the arguments block_scaled_mm hands it, prepared once
         b_half, a_half = aten_gemm._HALVES[layout]
@@ -108,10 +89,10 @@ def main() -> None:
                 False,
             )
 
-        bare_us = per_call_us(bare, args.calls)
+        bare_us = per_call_us(bare, calls)
         same = torch.equal(te_out.reshape(ours_out.shape), ours_out)
         print(f"| {name} | {te_us:.1f} | {ours_us:.1f} | {bare_us:.1f} | {same} |")
-    quant_us = per_call_us(lambda: tex.quantize(x, rows), args.calls)
+    quant_us = per_call_us(lambda: tex.quantize(x, rows), calls)
     print(f"\none tex.quantize of the input (1x128, both usages): {quant_us:.1f} us")
 
 

@@ -33,12 +33,18 @@ def per_call_us(fn, calls: int) -> float:
     return statistics.median(rounds)
 
 
-def main() -> None:
+def calls_and_shape(default_shape: str) -> tuple[int, int, int, int]:
+    """(--calls, M, K, N) from the command line (--shape M,K,N of y[M,N] = x[M,K] @ w[N,K].T)."""
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=200)
-    p.add_argument("--shape", default="512,1024,3072", help="M,K,N of y[M,N] = x[M,K] @ w[N,K].T")
+    p.add_argument("--shape", default=default_shape, help="M,K,N of y[M,N] = x[M,K] @ w[N,K].T")
     args = p.parse_args()
     m, k, n = (int(v) for v in args.shape.split(","))
+    return args.calls, m, k, n
+
+
+def main() -> None:
+    calls, m, k, n = calls_and_shape("512,1024,3072")
     torch.manual_seed(0)
     fp8 = torch.float8_e4m3fn
     x = torch.randn(m, k, device="cuda").to(fp8)
@@ -63,7 +69,7 @@ def main() -> None:
                     use_fast_accum=fast,
                 )
 
-            us = per_call_us(call, args.calls)
+            us = per_call_us(call, calls)
             y = call()
             same = torch.equal(first.setdefault((with_bias, fast), y), y)
             print(
