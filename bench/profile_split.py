@@ -14,7 +14,16 @@ the columns, not a row with the step's real issue time). Rows:
 - compiled wrappers: inductor's generated `call` functions, own time (the Python between kernels);
 - custom-op autograd layer: torch.library's `forward_no_grad` and `redispatch`, own time (an op
   with an autograd formula, called from a compiled forward);
+- te_compile's Python: own time of functions in te_compile/ (its op bodies, storages rebuilt
+  from saved parts), and TE's Python: own time of transformer_engine/'s .py functions (its
+  storage and quantizer constructors);
+- output allocations: inductor's `empty_strided_cuda`, own time;
+- autograd engine: `run_backward`'s own time (the engine's C++ between backward nodes);
 - the rest of the step.
+
+Only the functions in the file's top lists count (profile_step.py keeps the top 150 by own time
+and by cumulative time since session 60; older files 40 and 60), so a row of many small
+functions, te_compile's Python above all, is a lower bound and its calls are not counted.
 """
 
 from __future__ import annotations
@@ -34,6 +43,10 @@ ROWS = {
         r"_library/autograd\.py:\d+\(forward_no_grad\)|_ops\.py:\d+\(redispatch\)",
         2,
     ),
+    "te_compile's Python": ("own", r"/te_compile/[\w/]*\.py:\d+\(", None),
+    "TE's Python": ("own", r"/transformer_engine/[\w/]*\.py:\d+\(", None),
+    "output allocations": ("own", r"\{built-in method [\w.]*_empty_strided_cuda\}", 1),
+    "autograd engine": ("own", r"\{method 'run_backward' of", 1),
 }
 LINE = re.compile(r"\s*([\d/]+)\s+([\d.]+)\s+[\d.]+\s+([\d.]+)\s+[\d.]+\s+(.*)$")
 
@@ -54,7 +67,7 @@ def split(path: str) -> tuple[float, dict]:
     out = {}
     for row, (kind, pattern, frames) in ROWS.items():
         hits = [v for name, v in seen.items() if re.search(pattern, name)]
-        calls = sum(n for n, _, _ in hits) / steps / frames
+        calls = None if frames is None else sum(n for n, _, _ in hits) / steps / frames
         ms = sum(own if kind == "own" else cum for _, own, cum in hits) / steps * 1e3
         out[row] = (calls, ms)
     out["rest"] = (None, step_ms - sum(ms for _, ms in out.values()))

@@ -116,8 +116,8 @@ def profile(step, path: str, n: int = 20) -> None:
     prof.disable()
     buf = io.StringIO()
     stats = pstats.Stats(prof, stream=buf)
-    stats.sort_stats("tottime").print_stats(40)
-    stats.sort_stats("cumulative").print_stats(60)
+    stats.sort_stats("tottime").print_stats(150)
+    stats.sort_stats("cumulative").print_stats(150)
     with open(path, "w") as f:
         f.write(f"{n} steps\n" + buf.getvalue())
 
