@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_DTYPES = ("e4m3", "e5m2")
@@ -9,6 +11,7 @@ FP8_DTYPES = ("e4m3", "e5m2")
 TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+@functools.cache  # called per op call (storages rebuilt from saved parts): no import, no dict
 def te_fp8_dtype(name: str):
     """ "e4m3" / "e5m2" -> transformer_engine_torch.DType."""
     import transformer_engine_torch as tex
