@@ -9,11 +9,10 @@ scale each block by its own amax, view back, slice off the padding, make it cont
 and compiled agree on the amax and on the padded product; the compiled sliced result is wrong
 in every element of the last, partial block: tiny values that change from run to run (6e-9,
 4e-18) where eager has the input times its block's amax, as if that block's amax were read
-from memory nothing wrote. Seen on torch
-2.14.1's CPU backend (352 of 2,400 elements for [8, 300]); torch 2.11 and the GPU backend
-were not checked.
-te_compile's block quantization probe (scripts/probe_block_quantize.py) gathers each element's
-block scale instead, which compiles right.
+from memory nothing wrote. Seen on torch 2.14.1's CPU backend (352 of 2,400 elements for
+[8, 300]); torch 2.11 and the GPU backend were not checked. te_compile's block quantization
+probe (scripts/probe_block_quantize.py) gathers each element's block scale instead, which
+compiles right.
 """
 
 import torch
