@@ -24,9 +24,9 @@ class Options:
     # to TE's `generic_gemm` call and cheaper to issue; False: every GEMM through TE.
     aten_fp8_gemm: bool = True
     # Float8BlockScaling GEMMs (forward, dgrad, wgrad) through aten's blockwise `_scaled_mm_v2`
-    # (kernels/aten_gemm.py) instead of TE's `generic_gemm`: the same cuBLASLt scale modes at
-    # less CPU per call. Off until a GPU run shows it bit-identical to TE's call
-    # (tests/gpu/test_aten_gemm_gpu.py; written in session 59, not yet run on a GPU).
+    # (kernels/aten_gemm.py) instead of TE's `generic_gemm`. Bit-identical to TE's call on an
+    # H200 but off: aten's blockwise call costs more host time than TE's (34-55 against 20-32
+    # us), so a CPU-bound step got slower (0.76-0.86x; docs/performance.md, session 60).
     aten_block_gemm: bool = False
     # Float8CurrentScaling GEMM weights quantized by graph operations inductor fuses
     # (graph_fp8/weight.py, bit-identical to TE's quantize) instead of a TE call per weight.
