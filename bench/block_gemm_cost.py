@@ -11,7 +11,8 @@ shape small so the GPU keeps up). Rows per layout (TN fprop, NN dgrad, NT wgrad)
 - `te_compile + aten`: the same call with `aten_block_gemm=True` (the views, then aten);
 - `aten alone`: `aten._scaled_mm_v2` on arguments prepared once;
 - and, for scale, one `tex.quantize` of the input (1x128, both usages).
-Each aten output is compared with TE's bit for bit.
+The `te_compile + aten` output is compared with TE's bit for bit (`aten alone` makes the
+same call on the same arguments; its output is not compared).
 """
 
 from __future__ import annotations
