@@ -23,6 +23,7 @@ of the residual stream (test_no_float32_gradient_buffer_without_dropout)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -91,7 +92,8 @@ def _kernels_of(script: str, *args: str) -> list[str]:
     return [k for k in kernels if "async_compile.triton(" in k]
 
 
-def _sources_of(script: str, *args: str) -> list[str]:
+@functools.cache  # two tests compile the same layer: the file's worker runs it once
+def _sources_of(script: str, *args: str) -> tuple[str, ...]:
     """Inductor's generated code of the compiles `script` records (forward, then backward), run
     in a fresh process with inductor's caches off."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -105,7 +107,7 @@ def _sources_of(script: str, *args: str) -> list[str]:
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.split("SOURCES", 1)[1])
+    return tuple(json.loads(done.stdout.split("SOURCES", 1)[1]))
 
 
 def unrounded_gradient_sums(kernels: list[str]) -> list[str]:
@@ -160,9 +162,9 @@ def test_no_float32_gradient_buffer_without_dropout(recipe_name):
     attention's backward (TE's guide layer: +256 MiB at the step's peak on an H200, session
     54). No compile allocates such a buffer; the control, the second rounding forced, does."""
     assert not any(
-        _FLOAT32_STREAM.search(s) for s in _sources_of(_COMPILE, recipe_name, "rounded", "0")
+        _FLOAT32_STREAM.search(s) for s in _sources_of(_COMPILE, recipe_name, "rounded", str(0.0))
     )
-    forced = _sources_of(_COMPILE, recipe_name, "always", "0")
+    forced = _sources_of(_COMPILE, recipe_name, "always", str(0.0))
     assert any(_FLOAT32_STREAM.search(s) for s in forced)
 
 
