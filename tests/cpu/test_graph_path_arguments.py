@@ -1,13 +1,13 @@
 """A tripwire for the one edit docs/architecture.md's worked example cannot make follow by itself.
 
 Small per-tensor GEMMs take the graph path (graph_fp8/) by default, in place of the GEMM ops:
-an option added to an op's signature, or a field added to the configuration the graph path
-reads, reaches TE's kernels but would be ignored there, silently, for small GEMMs only. The
-names below are those the graph path was checked against (it implements them, or the module's
-graph-path check sends the call to the op). A new name fails here until someone makes that
-choice: refuse it in `modules/linear.graph_path_applies` (te.Linear, LayerNormLinear) or
-`modules/layernorm_mlp._graph_path_applies`, or implement it in graph_fp8/ with a GPU test
-against eager TE; then add it here.
+an option added to a forward op's signature, or a field added to the op configuration
+(QuantConfig, MLPSpec, MLPFlags), reaches TE's kernels but would be ignored, silently, for
+small GEMMs only. The names below are those the graph path was checked against (it implements
+them, or the module's graph-path check sends the call to the op). A new name fails here until
+someone makes that choice: refuse it in `modules/linear.graph_path_applies` (te.Linear,
+LayerNormLinear) or `modules/layernorm_mlp._graph_path_applies`, or implement it in graph_fp8/
+with a GPU test against eager TE; then add it here.
 """
 
 from __future__ import annotations
@@ -48,20 +48,23 @@ REVIEWED_SPEC_FIELDS = {
         *("save_norm", "save_fc1_input", "save_fc1_out", "save_fc2_input", "accumulate"),
     },
 }
-_WHAT_TO_DO = "decide what the graph path does with it (this file's docstring), then list it here"
+
+
+def _assert_reviewed(owner: str, names: set[str], reviewed: set[str]) -> None:
+    new, gone = sorted(names - reviewed), sorted(reviewed - names)
+    assert not new, (
+        f"{owner} has new names {new}: decide what the graph path does with them (this file's "
+        "docstring), then list them here"
+    )
+    assert not gone, f"{owner} no longer has {gone}: drop them here"
 
 
 @pytest.mark.parametrize("op", list(REVIEWED_OP_ARGUMENTS), ids=lambda o: o.name)
 def test_graph_path_was_checked_against_every_op_argument(op):
-    names = set(op.signature.parameters)
-    new, gone = names - REVIEWED_OP_ARGUMENTS[op], REVIEWED_OP_ARGUMENTS[op] - names
-    assert not new, f"{op.name} has new arguments {sorted(new)}: {_WHAT_TO_DO}"
-    assert not gone, f"{op.name} no longer takes {sorted(gone)}: drop them here"
+    _assert_reviewed(op.name, set(op.signature.parameters), REVIEWED_OP_ARGUMENTS[op])
 
 
 @pytest.mark.parametrize("cls", list(REVIEWED_SPEC_FIELDS), ids=lambda c: c.__name__)
 def test_graph_path_was_checked_against_every_config_field(cls):
-    names = {f.name for f in dataclasses.fields(cls)}
-    new, gone = names - REVIEWED_SPEC_FIELDS[cls], REVIEWED_SPEC_FIELDS[cls] - names
-    assert not new, f"{cls.__name__} has new fields {sorted(new)}: {_WHAT_TO_DO}"
-    assert not gone, f"{cls.__name__} no longer has {sorted(gone)}: drop them here"
+    fields = {f.name for f in dataclasses.fields(cls)}
+    _assert_reviewed(cls.__name__, fields, REVIEWED_SPEC_FIELDS[cls])
